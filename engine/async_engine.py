@@ -1,0 +1,214 @@
+"""AsyncEngine: the engine loop on its own thread, requests as asyncio streams.
+
+The loop thread owns the LLMEngine; other threads talk to it through an inbox (adds and
+aborts, applied before the next step) and receive outputs through their event loop, one
+``call_soon_threadsafe`` per step and loop. A slow consumer never slows the loop: its
+stream coalesces everything that arrived since it last looked into one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Sequence
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.outputs import EngineStats, StreamOutput
+from engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.5
+DIGEST_REFRESH_S = 0.25
+
+
+class _Stream:
+    """Outputs of one request waiting for its consumer; merged on read."""
+
+    __slots__ = ("loop", "items", "event", "error")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[StreamOutput] = []
+        self.event = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def push(self, out: StreamOutput) -> None:
+        self.items.append(out)
+        self.event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.event.set()
+
+    async def get(self) -> StreamOutput:
+        while not self.items:
+            if self.error is not None:
+                raise self.error
+            self.event.clear()
+            await self.event.wait()
+        items, self.items = self.items, []
+        return _merge(items)
+
+
+def _merge(items: list[StreamOutput]) -> StreamOutput:
+    if len(items) == 1:
+        return items[0]
+    last = items[-1]
+    ids = [t for it in items for t in it.new_token_ids]
+    lps = None
+    if any(it.new_logprobs is not None for it in items):
+        lps = [lp for it in items for lp in (it.new_logprobs or [])]
+    return StreamOutput(request_id=last.request_id, new_token_ids=ids, finished=last.finished,
+                        finish_reason=last.finish_reason, stop_token_id=last.stop_token_id, new_logprobs=lps,
+                        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+                        num_cached_tokens=last.num_cached_tokens, timing=last.timing)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, stuck_timeout_s: float = 120.0) -> None:
+        self.engine = LLMEngine(config)
+        self.config = config
+        self.stuck_timeout_s = stuck_timeout_s
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._error: BaseException | None = None
+        self._heartbeat = time.monotonic()
+        self._stats = self.engine.stats()
+        self._digest: list[int] = []
+        self._digest_time = 0.0
+        self._thread = threading.Thread(target=self._run, name="slotserve-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "AsyncEngine":
+        return cls(EngineConfig.from_options(model, **options))
+
+    # Properties frontends need without touching the loop thread's state.
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_path(self):
+        return self.engine.model_path
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[StreamOutput]:
+        """Submit a request and stream its outputs; closing the stream aborts the request."""
+        self.check_health()
+        params = params or SamplingParams()
+        prompt = self.engine.check_request(prompt_token_ids, params, priority)
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        waiting = self._stats.waiting + len(self._inbox)
+        if waiting >= self.config.scheduler.max_waiting:
+            raise EngineOverloadedError(f"engine queue is full ({waiting} waiting, max_waiting "
+                                        f"{self.config.scheduler.max_waiting}); retry later or on another replica")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._inbox.append(("add", request_id, prompt, params, priority, time.monotonic()))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ loop thread
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._publish([])
+                    self._wake.wait(IDLE_WAIT_S)
+                    continue
+                self._publish(self.engine.step())
+        except BaseException as exc:  # noqa: BLE001 - the loop must report any death
+            logger.exception("engine loop died")
+            self._error = exc
+            dead = EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}")
+            for stream in list(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.fail, dead)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if item[0] == "abort":
+                self.engine.abort(item[1])
+                continue
+            _, rid, prompt, params, priority, arrival = item
+            try:
+                self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival)
+            except (InvalidRequestError, EngineOverloadedError) as exc:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.fail, exc)
+
+    def _publish(self, outputs: list[StreamOutput]) -> None:
+        self._heartbeat = time.monotonic()
+        self._stats = self.engine.stats()
+        if self._heartbeat - self._digest_time > DIGEST_REFRESH_S:
+            self._digest = self.engine.prefix_digest(4096)
+            self._digest_time = self._heartbeat
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, StreamOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, pairs)
+            except RuntimeError:  # that event loop is closed: its consumers are gone
+                for stream, out in pairs:
+                    self.abort(out.request_id)
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def prefix_digest(self, max_entries: int = 4096) -> list[int]:
+        return self._digest[-max_entries:] if max_entries > 0 else []
+
+    def check_health(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {type(self._error).__name__}: {self._error}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+        silent = time.monotonic() - self._heartbeat
+        if silent > self.stuck_timeout_s:
+            raise EngineDeadError(f"engine loop stuck: no step finished for {silent:.0f} s")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+
+def _deliver(pairs: list[tuple[_Stream, StreamOutput]]) -> None:
+    for stream, out in pairs:
+        stream.push(out)

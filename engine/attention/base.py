@@ -1,0 +1,60 @@
+"""The attention backend contract, with FlashAttention's varlen semantics.
+
+A step's query tokens are packed into one ``[num_tokens, heads, head_dim]`` tensor; request
+``i`` owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, and attends causally to its first
+``seqlens_k[i]`` cached tokens (its earlier context plus the new ones), whose KV lives in the
+blocks listed in ``block_table[i]``. New K/V are first written to the cache at
+``slot_mapping`` (``block * block_size + offset`` per new token). Every backend computes
+exactly this; only the memory layout of its cache and the kernels differ.
+
+The runner orders requests so that decodes (one query token) come first, sorted by
+decreasing KV length, then prefill chunks: backends may batch decodes by length groups.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    cu_seqlens_q: torch.Tensor   # [B + 1] int32
+    cu_seqlens_k: torch.Tensor   # [B + 1] int32
+    seqlens_k: torch.Tensor      # [B] int32: context + new tokens
+    block_table: torch.Tensor    # [B, max_blocks] int32, rows padded with 0
+    slot_mapping: torch.Tensor   # [num_tokens] int64
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_decodes: int             # requests [0, num_decodes) have exactly one query token
+    # Host-side copies, so backends can plan without device syncs.
+    query_lens: list[int]
+    kv_lens: list[int]
+    decode_groups: list[tuple[int, int, int]]
+    """(first, end, max_kv_len) ranges over the decodes, for length-bucketed batching."""
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = head_dim ** -0.5
+
+    @abstractmethod
+    def allocate_cache(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V cache tensors for one layer."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> ``[T, heads * d]``; writes k/v to the cache."""
+
+    def bytes_per_block(self, dtype: torch.dtype) -> int:
+        """KV bytes one block takes in one layer (K and V)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()

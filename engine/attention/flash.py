@@ -1,0 +1,54 @@
+"""FlashAttention backend (CUDA): paged KV through ``block_table``.
+
+Cache layout ``[num_blocks, block_size, kv_heads, head_dim]``, the paged layout flash-attn
+reads. flash-attn's paged KV needs ``block_size`` to be a multiple of 256. Imported lazily:
+flash-attn only builds where CUDA is present (the ``gpu`` extra).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+FLASH_BLOCK_MULTIPLE = 256
+
+
+class FlashAttentionBackend(AttentionBackend):
+    name = "flash"
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        if block_size % FLASH_BLOCK_MULTIPLE:
+            raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_MULTIPLE} for the flash "
+                             f"attention backend, got {block_size}")
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    def allocate_cache(self, num_blocks, dtype, device):
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        k_cache, v_cache = kv_cache
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        nd = meta.num_decodes
+        out = torch.empty_like(q)
+        if nd:
+            # One query token per request: the kvcache kernel reads the pages in place.
+            out[:nd] = self._with_kvcache(
+                q[:nd].unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seqlens_k[:nd],
+                block_table=meta.block_table[:nd], softmax_scale=self.scale, causal=True).squeeze(1)
+        if nd < len(meta.query_lens):
+            cu_q = meta.cu_seqlens_q[nd:] - meta.cu_seqlens_q[nd]
+            cu_k = meta.cu_seqlens_k[nd:] - meta.cu_seqlens_k[nd]
+            start = int(sum(meta.query_lens[:nd]))
+            out[start:] = self._varlen(
+                q[start:], k_cache, v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                softmax_scale=self.scale, causal=True, block_table=meta.block_table[nd:])
+        return out.view(q.shape[0], -1)

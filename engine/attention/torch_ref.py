@@ -1,0 +1,78 @@
+"""Reference attention in plain torch: CPU (and any device), the semantics of FlashAttention varlen.
+
+Cache layout ``[kv_heads, num_blocks * block_size, head_dim]`` (heads outermost), so that
+gathering a request's blocks yields per-head contiguous keys that feed ``bmm`` without a
+second copy. Decodes are batched in groups of similar KV length (planned once per step by
+the metadata builder) so padding stays small; prefill chunks run one request at a time
+(compute-bound, and there are few per step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def allocate_cache(self, num_blocks, dtype, device):
+        shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``[kv_heads, len(blocks) * block_size, d]`` holding the listed blocks, in order."""
+        h, _, d = cache.shape
+        per_block = cache.view(h, -1, self.block_size * d)
+        return per_block.index_select(1, blocks).view(h, -1, d)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        for first, end, max_len in meta.decode_groups:
+            out[first:end] = self._decode_group(q[first:end], k_cache, v_cache, meta, first, end, max_len)
+        s = meta.num_decodes
+        for i in range(meta.num_decodes, len(meta.query_lens)):
+            n = meta.query_lens[i]
+            out[s:s + n] = self._prefill(q[s:s + n], k[s:s + n], v[s:s + n], k_cache, v_cache, meta, i)
+            s += n
+        return out
+
+    def _decode_group(self, q, k_cache, v_cache, meta, first, end, max_len):
+        g, hkv, d = end - first, self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        nb = -(-max_len // self.block_size)
+        blocks = meta.block_table[first:end, :nb].reshape(-1).long()
+        keys = self._gather(k_cache, blocks).view(hkv * g, nb * self.block_size, d)
+        values = self._gather(v_cache, blocks).view(hkv * g, nb * self.block_size, d)
+        qh = q.view(g, hkv, group, d).transpose(0, 1).reshape(hkv * g, group, d)
+        scores = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)
+        lens = meta.seqlens_k[first:end]
+        pad = torch.arange(nb * self.block_size, device=q.device)[None, :] >= lens[:, None]
+        scores.view(hkv, g, group, -1).masked_fill_(pad[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        ctx = torch.bmm(probs, values)  # [hkv * g, group, d]
+        return ctx.view(hkv, g, group, d).transpose(0, 1).reshape(g, self.num_heads * d)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta, i):
+        n = q.shape[0]
+        kv_len = meta.kv_lens[i]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+        if kv_len == n:  # no earlier context: attend to the new tokens only, plain causal
+            out = F.scaled_dot_product_attention(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                                 is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            nb = -(-kv_len // self.block_size)
+            blocks = meta.block_table[i, :nb].long()
+            keys = self._gather(k_cache, blocks)[:, :kv_len].unsqueeze(0)
+            values = self._gather(v_cache, blocks)[:, :kv_len].unsqueeze(0)
+            # query j sits at position (kv_len - n + j) and sees keys up to it
+            pos_q = torch.arange(kv_len - n, kv_len, device=q.device)
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= pos_q[:, None]
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)

@@ -1,0 +1,225 @@
+"""LLMEngine: the synchronous core. ``step()`` = schedule -> run model -> sample -> emit.
+
+It is single-threaded by design: AsyncEngine drives it from one loop thread, LLM from the
+caller's thread. Request validation (``check_request``) is pure, so frontends can reject
+bad input before anything is queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+from engine.config import EngineConfig
+from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.kv.block_manager import BlockManager
+from engine.model import ModelArch
+from engine.outputs import FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+MAX_REQUEST_ID_CHARS = 256
+
+
+def _generation_eos_ids(path: Path) -> set[int]:
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return set()
+    try:
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return set()
+    return set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.models_hub import resolve_model
+
+        self.config = config
+        self.model_path = Path(resolve_model(config.model.model))
+        self.arch = ModelArch.from_dir(self.model_path)
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(config, self.model_path, self.arch, self.max_model_len)
+        bs = config.cache.block_size
+        self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
+        # A request can never hold more tokens than the pool, or it would preempt itself forever.
+        self.max_total_tokens = min(self.max_model_len, self.runner.num_blocks * bs)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_total_tokens)
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids | _generation_eos_ids(self.model_path))
+        self.requests: dict[str, Request] = {}
+        self._seq = itertools.count()
+        self._rng = random.Random(config.model.seed)
+        self._pending: list[StreamOutput] = []
+        self._stats = EngineStats(max_num_seqs=config.scheduler.max_num_seqs,
+                                  kv_blocks_total=self.runner.num_blocks, block_size=bs)
+        self._timings: dict[str, float] | None = {} if config.profile else None
+        logger.info("engine ready: %s (%s), max_model_len %d, %d KV blocks x %d tokens, %s on %s",
+                    self.model_path.name, self.arch.architecture, self.max_model_len, self.runner.num_blocks,
+                    bs, self.runner.dtype, self.runner.device)
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "LLMEngine":
+        return cls(EngineConfig.from_options(model, **options))
+
+    def _max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({limit}), got {asked}")
+        length = asked or limit
+        window = self.arch.sliding_window
+        if window and window < length:
+            logger.warning("model uses sliding-window attention (%d); capping max_model_len there", window)
+            length = window
+        return length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
+        """Validate without touching engine state; returns the prompt as a list of ints."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
+            raise InvalidRequestError("prompt_token_ids must be a list of token ids")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids must not be empty")
+        vocab = self.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}")
+        if len(prompt) >= self.max_total_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens; at most {self.max_total_tokens - 1} fit "
+                f"(max_model_len {self.max_model_len}, KV pool {self.runner.num_blocks * self.block_manager.block_size}"
+                f" tokens)")
+        return prompt
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        prompt = self.check_request(prompt_token_ids, params, priority)
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} chars")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
+            raise EngineOverloadedError(
+                f"engine queue is full ({self.scheduler.num_waiting} waiting, max_waiting "
+                f"{self.config.scheduler.max_waiting}); retry later or on another replica")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, prompt, params, priority, next(self._seq), self.max_total_tokens, seed,
+                      self.eos_token_ids, arrival_time)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; its slot and blocks are free before the next step."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        req.timing.finished_time = time.monotonic()
+        self._stats.num_aborted += 1
+        self._pending.append(self._output(req, [], None))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StreamOutput]:
+        outputs, self._pending = self._pending, []
+        timings = self._timings
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for rid in sched.admitted:
+            req = self.requests[rid]
+            if req.timing.first_scheduled_time is None:
+                req.timing.first_scheduled_time = now
+        if timings is not None:
+            timings["schedule"] = timings.get("schedule", 0.0) + time.perf_counter() - t0
+        if sched.empty:
+            self._refresh_stats()
+            return outputs
+        reqs, tokens, logprobs = self.runner.execute(sched.chunks, timings)
+        t1 = time.perf_counter()
+        self.scheduler.after_step(sched)
+        now = time.monotonic()
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            outputs.append(self._append_token(req, tok, lp, now))
+        self._stats.num_steps += 1
+        self._stats.num_generated_tokens += len(tokens)
+        self._refresh_stats()
+        if timings is not None:
+            timings["output"] = timings.get("output", 0.0) + time.perf_counter() - t1
+        return outputs
+
+    def _append_token(self, req: Request, tok: int, lp: dict | None, now: float) -> StreamOutput:
+        req.token_ids.append(tok)
+        if req.timing.first_token_time is None:
+            req.timing.first_token_time = now
+        n_out = req.num_output_tokens
+        p = req.params
+        reason = None
+        if n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
+            reason, req.stop_token_id = FINISH_STOP, tok
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= req.max_total_tokens:
+            reason = FINISH_LENGTH
+        if reason is not None:
+            self.finish(req, reason, now)
+        return self._output(req, [tok], [lp] if lp is not None else None)
+
+    def finish(self, req: Request, reason: str, now: float | None = None) -> None:
+        self.requests.pop(req.request_id, None)
+        self.scheduler.remove(req)
+        req.finish_reason = reason
+        req.timing.finished_time = now or time.monotonic()
+        self._stats.num_finished += 1
+
+    def _output(self, req: Request, new_ids: list[int], lps: list | None) -> StreamOutput:
+        done = req.finished
+        return StreamOutput(
+            request_id=req.request_id, new_token_ids=new_ids, finished=done,
+            finish_reason=req.finish_reason if done else None, stop_token_id=req.stop_token_id,
+            new_logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
+            timing=req.timing)
+
+    # ------------------------------------------------------------------ observability
+    def _refresh_stats(self) -> None:
+        s = self._stats
+        s.running = len(self.scheduler.running)
+        s.waiting = self.scheduler.num_waiting
+        s.kv_blocks_used = self.block_manager.num_used
+        s.prefix_cache_queries = self.block_manager.prefix_queries
+        s.prefix_cache_hits = self.block_manager.prefix_hits
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.last_step_time = time.monotonic()
+
+    def stats(self) -> EngineStats:
+        self._refresh_stats()
+        snap = EngineStats(**{k: getattr(self._stats, k) for k in self._stats.__dataclass_fields__})
+        snap.step_time_s = dict(self._timings or {})
+        return snap
+
+    def prefix_digest(self, max_entries: int = 4096) -> list[int]:
+        return self.block_manager.recent_hashes(max_entries)

@@ -1,0 +1,21 @@
+"""Errors the engine raises to its callers.
+
+Frontends map them to protocol codes: InvalidRequestError -> INVALID_ARGUMENT / HTTP 400,
+EngineOverloadedError -> RESOURCE_EXHAUSTED / HTTP 429, EngineDeadError -> UNAVAILABLE / 503.
+"""
+
+
+class InvalidRequestError(ValueError):
+    """A request (prompt, sampling params, options) that can never be served as given."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The bounded waiting queue is full; retry later or elsewhere."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has died or is stuck; the replica should be replaced."""
+
+
+class ModelLoadError(ValueError):
+    """A model directory is missing files, holds corrupt ones, or an unsupported architecture."""

@@ -1,0 +1,113 @@
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Tokens of all requests in a step are packed along one dimension (no padding, no batch
+dimension); attention goes through the backend with the step's metadata. Checkpoint names
+that pack into fused parameters are declared in ``PACKED``; their loaders place each part.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model.arch import ModelArch
+from engine.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                                 RowParallelLinear, VocabParallelEmbedding, silu_and_mul)
+from engine.model.rotary import RotaryEmbedding
+from engine.parallel import ParallelGroup
+
+# checkpoint projection name -> (fused parameter, part)
+PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, group: ParallelGroup, backend: AttentionBackend, rotary: RotaryEmbedding):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads,
+                                          arch.qkv_bias, group)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, False, group)
+        self.num_heads = self.qkv_proj.local_heads
+        self.num_kv_heads = self.qkv_proj.local_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.backend = backend
+        self.rotary = rotary
+
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
+        d = self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = q.view(-1, self.num_heads, d)
+        k = k.view(-1, self.num_kv_heads, d)
+        v = v.view(-1, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, group: ParallelGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2, False, group)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, False, group)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch, group, backend, rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, group, backend, rotary)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch, group)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, group: ParallelGroup, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, group)
+        rotary = RotaryEmbedding(arch, max_positions)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(arch, group, backend, rotary) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, group)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` for the selected token rows only."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        x = self.norm(x.index_select(0, logits_indices))
+        return self.lm_head(x).float()
+
+    def parameter_for(self, checkpoint_name: str) -> tuple[str, object] | None:
+        """Map a checkpoint tensor name to (our parameter name, shard id); None to skip it."""
+        name = checkpoint_name
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if "rotary_emb" in name:
+            return None
+        if name.startswith("lm_head") and self.arch.tie_word_embeddings:
+            return None
+        for ckpt, (fused, part) in PACKED.items():
+            if f".{ckpt}." in name:
+                return name.replace(ckpt, fused), part
+        return name, None

@@ -1,0 +1,113 @@
+"""What the engine hands to its callers.
+
+``StreamOutput`` is the serving contract: one per request per step, carrying every
+token produced since the previous message (streams are coalesced, never one message
+per token). ``RequestOutput`` is the offline result, shaped like vLLM's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens or the context length
+FINISH_ABORT = "abort"    # aborted by the caller (cancel, disconnect, deadline)
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Wall-clock times (time.monotonic seconds) of one request's life in the engine."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def queued_s(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class StreamOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    """The token id that ended the request, when it ended on EOS / a stop token id."""
+    new_logprobs: list[dict[int, float]] | None = None
+    """Per new token: {token_id: logprob} with the sampled token and the top-n alternatives."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    timing: RequestTiming | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    timing: RequestTiming | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's load, read by routing, autoscaling and metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    max_num_seqs: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    block_size: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Prompt tokens found there."""
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    last_step_time: float = 0.0
+    """time.monotonic() when the loop last finished a step (or idled)."""
+    step_time_s: dict = field(default_factory=dict)
+    """Cumulative seconds per step phase (schedule, prepare, forward, sample, output) when profiling."""
+
+    @property
+    def free_slots(self) -> int:
+        return max(self.max_num_seqs - self.running, 0)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def slot_occupancy(self) -> float:
+        """running / max_num_seqs, or KV usage when higher: the autoscaling signal."""
+        slots = self.running / self.max_num_seqs if self.max_num_seqs else 0.0
+        return max(slots, self.kv_usage)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(free_slots=self.free_slots, kv_usage=self.kv_usage, slot_occupancy=self.slot_occupancy)
+        return d

@@ -1,0 +1,83 @@
+"""One request's state inside the engine.
+
+    WAITING --admit--> RUNNING --finish--> FINISHED
+       ^                  |
+       +---- PREEMPTED <--+  (blocks freed; recomputed from its tokens when readmitted)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.kv.hashing import ROOT_HASH
+from engine.outputs import RequestTiming
+from engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    __slots__ = (
+        "request_id", "params", "priority", "seq_no", "token_ids", "num_prompt_tokens",
+        "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
+        "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
+        "max_total_tokens", "seed", "num_emitted", "pending_logprobs", "eos_token_ids",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int, seq_no: int, max_total_tokens: int, seed: int,
+                 eos_token_ids: frozenset[int], arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority
+        self.seq_no = seq_no
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_hashed_blocks = 0       # leading full blocks already registered in the prefix cache
+        self.last_block_hash = ROOT_HASH
+        self.num_cached_tokens = 0       # prompt tokens served from the prefix cache at first admission
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.timing = RequestTiming(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        self.max_total_tokens = max_total_tokens
+        self.seed = seed
+        self.num_emitted = 0             # output tokens already handed to the caller
+        self.pending_logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Queue order: lower priority value first, then first come, first served."""
+        return (self.priority, self.seq_no)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,199 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, greedy, logprobs.
+
+Everything is a tensor op over the batch; per-request Python happens only to build the
+parameter tensors. Random draws are batch-invariant: request ``r`` drawing its ``p``-th output
+token uses Gumbel noise that is a pure hash of (seed_r, p, token id), so a seeded request gets
+the same tokens alone, in any batch, and after being preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed value torch.int64 stores."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MUL1, _MUL2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+_POS_MUL = _i64(0xD1B54A32D192ED03)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[N, vocab]`` uniforms in (0, 1), a splitmix64 hash of (seed, position, token id)."""
+    tok = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = (seeds * _GOLDEN + positions * _POS_MUL).unsqueeze(1) + tok.unsqueeze(0) * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).double() + 0.5) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters, built once per step from the requests that sample."""
+
+    requests: list[Request]
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    positions: torch.Tensor
+    all_greedy: bool
+    any_random: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    any_min_tokens: bool
+    max_logprobs: int | None
+
+    @classmethod
+    def build(cls, requests: list[Request], device: torch.device) -> "SamplingBatch":
+        ps = [r.params for r in requests]
+        temps = [p.temperature for p in ps]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in ps]
+        top_p = [p.top_p for p in ps]
+        min_p = [p.min_p for p in ps]
+        lp = [p.logprobs for p in ps if p.logprobs is not None]
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(
+            requests=requests,
+            temperature=torch.tensor(temps, **f32),
+            top_k=torch.tensor(top_k, **i64),
+            top_p=torch.tensor(top_p, **f32),
+            min_p=torch.tensor(min_p, **f32),
+            seeds=torch.tensor([r.seed for r in requests], **i64),
+            positions=torch.tensor([r.num_output_tokens for r in requests], **i64),
+            all_greedy=all(t == 0.0 for t in temps),
+            any_random=any(t > 0.0 for t in temps),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+            any_min_p=any(p > 0.0 for p in min_p),
+            any_penalty=any(p.uses_penalties for p in ps),
+            any_min_tokens=any(r.num_output_tokens < r.params.min_tokens for r in requests),
+            max_logprobs=max(lp) if lp else None,
+        )
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[dict[int, float] | None]]:
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        if batch.any_penalty:
+            logits = apply_penalties(logits, batch.requests)
+        if batch.any_min_tokens:
+            logits = suppress_stop_tokens(logits, batch.requests)
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, batch)
+        token_list = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(token_list)
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, tokens, token_list, batch)
+        return token_list, logprobs
+
+    def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1)
+        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+        scaled = logits / temp.unsqueeze(1)
+        if b.any_top_k or b.any_top_p:
+            scaled = _top_k_top_p(scaled, b)
+        if b.any_min_p:
+            probs = torch.softmax(scaled, dim=-1)
+            floor = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            scaled = scaled.masked_fill(probs < floor, float("-inf"))
+        u = hashed_uniform(b.seeds, b.positions, scaled.shape[1])
+        gumbel = (-torch.log(-torch.log(u))).to(scaled.dtype)
+        sampled = (scaled + gumbel).argmax(dim=-1)
+        return torch.where(b.temperature > 0, sampled, greedy_tokens)
+
+
+def _top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    if b.any_top_k:
+        k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, logits.shape[1]))
+        sorted_logits = sorted_logits.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
+    if b.any_top_p:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # keep tokens while the mass before them is below top_p (always keeps the first)
+        sorted_logits = sorted_logits.masked_fill(mass_before >= b.top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt + output, presence / frequency over output only."""
+    n, vocab = logits.shape
+    dev = logits.device
+    out_counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    rep = torch.ones(n, dtype=torch.float32, device=dev)
+    pres = torch.zeros(n, dtype=torch.float32, device=dev)
+    freq = torch.zeros(n, dtype=torch.float32, device=dev)
+    for i, r in enumerate(requests):
+        p = r.params
+        if not p.uses_penalties:
+            continue
+        rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        out = r.output_token_ids
+        if out:
+            ids = torch.tensor(out, dtype=torch.int64, device=dev)
+            out_counts[i].index_add_(0, ids, torch.ones(len(out), device=dev))
+        seen[i, torch.tensor(r.token_ids, dtype=torch.int64, device=dev)] = True
+    logits = logits.clone()
+    penalised = torch.where(logits > 0, logits / rep.unsqueeze(1), logits * rep.unsqueeze(1))
+    logits = torch.where(seen, penalised, logits)
+    logits -= freq.unsqueeze(1) * out_counts + pres.unsqueeze(1) * (out_counts > 0).float()
+    return logits
+
+
+def suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Forbid EOS and stop token ids for requests that have not reached min_tokens yet."""
+    rows, cols = [], []
+    vocab = logits.shape[1]
+    for i, r in enumerate(requests):
+        if r.num_output_tokens < r.params.min_tokens:
+            ids = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if t < vocab]
+            rows.extend([i] * len(ids))
+            cols.extend(ids)
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+    return logits
+
+
+def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
+                     b: SamplingBatch) -> list[dict[int, float] | None]:
+    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    k = b.max_logprobs or 0
+    top_vals, top_ids = (raw.topk(k, dim=-1) if k > 0 else (None, None))
+    tv = top_vals.tolist() if top_vals is not None else None
+    ti = top_ids.tolist() if top_ids is not None else None
+    out: list[dict[int, float] | None] = []
+    for i, r in enumerate(b.requests):
+        n = r.params.logprobs
+        if n is None:
+            out.append(None)
+            continue
+        entry = {token_list[i]: chosen[i]}
+        if n and ti is not None:
+            for tid, val in zip(ti[i][:n], tv[i][:n]):
+                entry.setdefault(tid, val)
+        out.append(entry)
+    return out

@@ -1,0 +1,213 @@
+"""Continuous-batching scheduler: one token-budget loop per step.
+
+Each step: running requests first (decodes, then the rest of chunked prefills), in
+priority order; when the KV pool runs dry the lowest-priority, least-advanced request is
+preempted (its blocks freed; it is recomputed when readmitted). Then, if nothing was
+preempted, waiting requests are admitted in (priority, arrival) order while slots, blocks
+and the token budget allow, reusing cached prefix blocks. Requests join and leave at every
+step. ``scheduling="static"`` keeps the same machinery but only forms a new batch once the
+previous one has fully drained: the straw man continuous batching is measured against.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv.block_manager import BlockManager
+from engine.kv.hashing import ROOT_HASH
+from engine.outputs import FINISH_ABORT
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int
+    """Position of the first token computed in this step (== tokens already computed)."""
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last known token, so it yields logits."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_total_tokens: int) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.max_total_tokens = max_total_tokens
+        self.static = config.scheduling == "static"
+        # Without chunked prefill a whole prompt must fit in one step's budget.
+        self.token_budget = (config.max_num_batched_tokens if config.enable_chunked_prefill
+                             else max(config.max_num_batched_tokens, max_total_tokens + config.max_num_seqs))
+        self.waiting: list[tuple[int, int, Request]] = []  # heap on Request.sort_key()
+        self.running: list[Request] = []
+        self.static_batch: list[Request] = []               # static mode: the batch being admitted
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.static_batch)
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        heapq.heappush(self.waiting, (req.priority, req.seq_no, req))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self.static_batch)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out wherever it is and free its blocks (finish or abort)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.static_batch:
+            self.static_batch.remove(req)
+        else:
+            for i, (_, _, r) in enumerate(self.waiting):
+                if r is req:
+                    self.waiting[i] = self.waiting[-1]
+                    self.waiting.pop()
+                    heapq.heapify(self.waiting)
+                    break
+        if req.block_ids:
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+        req.status = RequestStatus.FINISHED
+
+    def abort(self, req: Request) -> None:
+        self.remove(req)
+        req.finish_reason = FINISH_ABORT
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.token_budget
+        scheduled: dict[str, ScheduledChunk] = {}
+        self.running.sort(key=Request.sort_key)
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            if not self._reserve(req, n, scheduled, out):
+                continue
+            chunk = ScheduledChunk(req, req.num_computed_tokens, n)
+            scheduled[req.request_id] = chunk
+            budget -= n
+        # Refund budget of chunks whose request was preempted after being scheduled.
+        budget = self.token_budget - sum(c.num_tokens for c in scheduled.values())
+        if not out.preempted:
+            budget = self._admit(budget, scheduled, out)
+        # Decodes first: cheaper metadata and it keeps the contract stable for the runner.
+        out.chunks = sorted(scheduled.values(), key=lambda c: c.num_tokens > 1)
+        out.num_batched_tokens = self.token_budget - budget
+        return out
+
+    def _reserve(self, req: Request, n: int, scheduled: dict[str, ScheduledChunk],
+                 out: SchedulerOutput) -> bool:
+        """Grow ``req``'s block table to cover ``n`` more tokens, preempting if the pool is dry."""
+        need = self.blocks.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
+        while need > self.blocks.num_free:
+            victim = max(self.running, key=lambda r: (r.priority, -r.num_computed_tokens, r.seq_no))
+            self._preempt(victim, scheduled, out)
+            if victim is req:
+                return False
+        if need > 0:
+            req.block_ids.extend(self.blocks.allocate(need))
+        return True
+
+    def _preempt(self, req: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:
+        scheduled.pop(req.request_id, None)
+        self.running.remove(req)
+        self.blocks.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_hashed_blocks = 0
+        req.last_block_hash = ROOT_HASH
+        req.status = RequestStatus.PREEMPTED
+        req.timing.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req.request_id)
+        if self.static:
+            self.static_batch.insert(0, req)
+        else:
+            heapq.heappush(self.waiting, (req.priority, req.seq_no, req))
+
+    def _next_candidate(self) -> Request | None:
+        if self.static:
+            if not self.running and not self.static_batch:
+                take = min(self.config.max_num_seqs, len(self.waiting))
+                self.static_batch = [heapq.heappop(self.waiting)[2] for _ in range(take)]
+            return self.static_batch[0] if self.static_batch else None
+        return self.waiting[0][2] if self.waiting else None
+
+    def _pop_candidate(self) -> None:
+        if self.static:
+            self.static_batch.pop(0)
+        else:
+            heapq.heappop(self.waiting)
+
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> int:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_candidate()
+            if req is None:
+                break
+            cached, hashes = self.blocks.match_prefix(req.token_ids)
+            num_cached = len(cached) * self.blocks.block_size
+            n = req.num_tokens - num_cached
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            need = self.blocks.blocks_needed(num_cached + n) - len(cached)
+            if not self.blocks.can_allocate(need, reusing=cached):
+                break  # head-of-line: keep FCFS order within a priority
+            self._pop_candidate()
+            first_time = req.status is RequestStatus.WAITING
+            if first_time:
+                self.blocks.record_lookup(req.num_tokens, num_cached)
+                req.num_cached_tokens = num_cached
+            self.blocks.take_cached(cached)
+            req.block_ids = cached + self.blocks.allocate(need)
+            req.num_computed_tokens = num_cached
+            req.num_hashed_blocks = len(cached)
+            req.last_block_hash = hashes[-1] if hashes else ROOT_HASH
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = ScheduledChunk(req, num_cached, n)
+            out.admitted.append(req.request_id)
+            budget -= n
+        return budget
+
+    def after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed counts and publish blocks that became full to the prefix cache."""
+        bs = self.blocks.block_size
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            while (req.num_hashed_blocks + 1) * bs <= req.num_computed_tokens:
+                i = req.num_hashed_blocks
+                req.last_block_hash = self.blocks.register_full_block(
+                    req.block_ids[i], req.last_block_hash, req.token_ids[i * bs:(i + 1) * bs])
+                req.num_hashed_blocks += 1
