@@ -113,10 +113,15 @@ class EngineConfig:
     """``auto``: flash on CUDA with flash-attn installed, else the torch reference."""
     profile: bool = False
     """Time the phases of each step (schedule, prepare, forward, sample, output) into stats."""
+    num_threads: int | None = None
+    """torch intra-op threads. Set it to the CPUs a replica owns: two replicas each spinning
+    OpenMP teams over the same cores slow every op by orders of magnitude."""
 
     def __post_init__(self) -> None:
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"one of {ATTENTION_BACKENDS}", self.attention_backend)
+        _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+               "num_threads", "a positive integer or None", self.num_threads)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":
@@ -125,7 +130,7 @@ class EngineConfig:
                     "parallel": ParallelConfig}
         kwargs: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
-        top_fields = {"attention_backend", "profile"}
+        top_fields = {"attention_backend", "profile", "num_threads"}
         owners = {f.name: name for name, klass in sections.items() for f in dataclasses.fields(klass)}
         for key, value in options.items():
             if key in top_fields:

@@ -46,6 +46,9 @@ class LLMEngine:
         from engine.models_hub import resolve_model
 
         self.config = config
+        if config.num_threads is not None:
+            import torch
+            torch.set_num_threads(config.num_threads)
         self.model_path = Path(resolve_model(config.model.model))
         self.arch = ModelArch.from_dir(self.model_path)
         self.max_model_len = self._max_model_len()

@@ -1,0 +1,28 @@
+"""Fixtures shared across test files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory):
+    """The built-in default model converted to an HF directory, once per test session.
+
+    Converts into $SLOTSERVE_CACHE when set (so repeated runs reuse it), else into a
+    temporary directory (~30 s on a 2-core machine).
+    """
+    from engine.models_hub import DEFAULT_MODEL, resolve_model
+
+    cache = os.environ.get("SLOTSERVE_CACHE") or tmp_path_factory.mktemp("slotserve-models")
+    return resolve_model(DEFAULT_MODEL, cache_dir=cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with a tiny byte-level BPE tokenizer (ChatML template)."""
+    from tests.factories import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)

@@ -1,0 +1,127 @@
+"""Sampling: seeded batch invariance, filters, penalties, min_tokens, stop ids, logprobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import apply_penalties, hashed_uniform
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 380) for _ in range(rng.randrange(2, 40))]} for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=256, max_num_seqs=32)
+
+
+def _tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_seeded_sampling_is_batch_invariant(llm, tiny_model_dir):
+    target = _prompts(1, seed=42)[0]
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _tokens(llm, [target], sp)[0]
+    others = _prompts(31, seed=7)
+    mixed_params = [SamplingParams(temperature=0.7 + 0.01 * i, max_tokens=5 + i, ignore_eos=True)
+                    for i in range(31)]
+    batch = llm.generate(others[:15] + [target] + others[15:], mixed_params[:15] + [sp] + mixed_params[15:])
+    assert batch[15].outputs[0].token_ids == alone
+    # After preemption and recompute: a pool too small for 32 concurrent requests.
+    small = LLM(str(tiny_model_dir), dtype="float32", block_size=4, num_kv_blocks=40, max_num_seqs=32)
+    out = small.generate(others[:15] + [target] + others[15:], mixed_params[:15] + [sp] + mixed_params[15:])
+    assert small.engine.stats().num_preemptions > 0
+    assert out[15].outputs[0].token_ids == alone
+    # A different seed gives a different sample (24 tokens from a ~380-token vocabulary).
+    assert _tokens(llm, [target], SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True))[0] != alone
+
+
+def test_filters_that_leave_one_token_equal_greedy(llm):
+    prompts = _prompts(4, seed=3)
+    greedy = _tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for sp in (SamplingParams(temperature=1.5, top_k=1, max_tokens=8, ignore_eos=True, seed=1),
+               SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=8, ignore_eos=True, seed=2),
+               SamplingParams(temperature=1.5, min_p=1.0, max_tokens=8, ignore_eos=True, seed=3)):
+        assert _tokens(llm, prompts, sp) == greedy, sp
+
+
+def test_unseeded_sampling_varies_and_stays_in_top_k(llm):
+    prompt = _prompts(1, seed=11)
+    runs = [_tokens(llm, prompt, SamplingParams(temperature=1.0, top_k=5, max_tokens=16, ignore_eos=True))[0]
+            for _ in range(3)]
+    assert len({tuple(r) for r in runs}) > 1
+
+
+def test_hashed_uniform_is_uniform_and_deterministic():
+    seeds = torch.tensor([1, 2, 3], dtype=torch.int64)
+    pos = torch.tensor([0, 5, 9], dtype=torch.int64)
+    u = hashed_uniform(seeds, pos, 50_000)
+    assert torch.equal(u, hashed_uniform(seeds, pos, 50_000))
+    assert 0.0 < u.min().item() and u.max().item() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+
+
+def test_penalties_match_a_naive_implementation():
+    from engine.request import Request
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 20)
+    params = [SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams()]
+    reqs = []
+    for i, p in enumerate(params):
+        r = Request(f"r{i}", [1, 2, 3], p, 0, i, 100, 0, frozenset())
+        r.token_ids += [3, 4, 4]
+        reqs.append(r)
+    got = apply_penalties(logits, reqs)
+    want = logits.clone()
+    for t in {1, 2, 3, 4}:  # repetition: prompt + output
+        want[0, t] = want[0, t] / 1.5 if want[0, t] > 0 else want[0, t] * 1.5
+    for t, c in {3: 1, 4: 2}.items():  # presence / frequency: output only
+        want[0, t] -= 0.25 * c + 0.5
+    assert torch.allclose(got, want)
+    assert torch.equal(got[1], logits[1])
+
+
+def test_min_tokens_and_stop_token_ids(llm):
+    prompt = _prompts(1, seed=21)
+    first = _tokens(llm, prompt, SamplingParams(temperature=0, max_tokens=1))[0][0]
+    stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first]))[0]
+    assert stopped.outputs[0].token_ids == [first]
+    assert stopped.outputs[0].finish_reason == "stop"
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first], min_tokens=4))[0]
+    assert len(held.outputs[0].token_ids) >= 4
+    assert first not in held.outputs[0].token_ids[:4]
+
+
+def test_logprobs_match_hf(llm, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompt = _prompts(1, seed=5)[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True))[0].outputs[0]
+    ids = prompt["prompt_token_ids"] + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    n = len(prompt["prompt_token_ids"])
+    for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[n - 1 + j]
+        assert abs(lp[tok] - row[tok].item()) < 1e-4
+        top = row.topk(4).indices.tolist()
+        assert set(top) <= set(lp)
+        assert len(lp) == 4  # the greedy token is the top-1
+
+
+def test_max_tokens_none_stops_at_context_length(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=40, block_size=8, num_kv_blocks=32)
+    out = llm.generate(_prompts(1, seed=2), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
+    assert out.outputs[0].finish_reason == "length"
