@@ -1,0 +1,264 @@
+"""Which engine replica should take a request: the slot-aware ranking, pure.
+
+No ray and no engine imports: the request's block hashes come in already computed
+(``engine.kv.hashing.prefix_block_hashes``), so the whole policy is unit-tested
+without a cluster. ``router.request_router`` feeds it from Ray Serve.
+
+Each replica publishes routing stats (``record_routing_stats``), a dict of:
+
+    free_slots, running, waiting, max_num_seqs,       ints >= 0 (max_num_seqs >= 1)
+    kv_blocks_used, kv_blocks_total, block_size,      ints >= 0 (block_size >= 1)
+    prefix_hashes: list[int]                          recently cached full-block hashes
+    healthy: bool, updated_at: float                  time.time() at the replica
+
+Stats that are missing, malformed or older than ``stale_after_s`` make a replica
+"unknown": the router knows nothing about its load and falls back to random choice.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any, Hashable, Iterable, Mapping, Sequence
+
+DEFAULT_LOAD_SLACK = 0.25
+DEFAULT_DIGEST_ENTRIES = 512
+_INT_FIELDS = ("free_slots", "running", "waiting", "max_num_seqs", "kv_blocks_used", "kv_blocks_total",
+               "block_size")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One replica's load as the router sees it (from its published routing stats)."""
+
+    replica_id: Hashable
+    known: bool = False
+    """False when the stats were missing or malformed (see ``problem``)."""
+    problem: str = ""
+    free_slots: int = 0
+    running: int = 0
+    waiting: int = 0
+    max_num_seqs: int = 1
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    block_size: int = 1
+    prefix_hashes: frozenset = field(default=frozenset(), repr=False)
+    healthy: bool = True
+    updated_at: float = 0.0
+
+    @classmethod
+    def from_stats(cls, replica_id: Hashable, stats: Mapping[str, Any] | None) -> ReplicaLoad:
+        """Parse a replica's routing stats; never raises (a bad replica must not stop routing)."""
+        if not stats:
+            return cls(replica_id, problem="no stats yet")
+        if not isinstance(stats, Mapping):
+            return cls(replica_id, problem=f"stats are a {type(stats).__name__}, not a dict")
+        values: dict[str, Any] = {}
+        for name in _INT_FIELDS:
+            v = stats.get(name)
+            if not _is_int(v) or v < 0:
+                return cls(replica_id, problem=f"{name} must be an integer >= 0, got {v!r}")
+            values[name] = v
+        if values["max_num_seqs"] < 1 or values["block_size"] < 1:
+            return cls(replica_id, problem="max_num_seqs and block_size must be >= 1")
+        updated_at = stats.get("updated_at")
+        if not _is_number(updated_at):
+            return cls(replica_id, problem=f"updated_at must be a time.time() value, got {updated_at!r}")
+        hashes = stats.get("prefix_hashes") or ()
+        if not isinstance(hashes, (list, tuple, set, frozenset)):
+            return cls(replica_id, problem=f"prefix_hashes must be a list of ints, got {type(hashes).__name__}")
+        healthy = stats.get("healthy", True)
+        return cls(replica_id, known=True, prefix_hashes=frozenset(hashes), healthy=healthy is True,
+                   updated_at=float(updated_at), **values)
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return max(self.kv_blocks_total - self.kv_blocks_used, 0)
+
+    @property
+    def load(self) -> float:
+        """Queued work per slot, or the KV fill fraction when that is higher."""
+        slots = (self.running + self.waiting) / self.max_num_seqs
+        kv = self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+        return max(slots, kv)
+
+    def is_fresh(self, now: float, stale_after_s: float) -> bool:
+        # A timestamp slightly in the future (clock skew between hosts) still counts as fresh.
+        return self.known and now - self.updated_at <= stale_after_s
+
+    def prefix_match(self, request_hashes: Sequence[int]) -> int:
+        """How many leading blocks of the request this replica has cached.
+
+        Only a contiguous prefix counts: a cached block is reusable only when every
+        block before it is reused too (the hashes are chained).
+        """
+        n = 0
+        for h in request_hashes:
+            if h not in self.prefix_hashes:
+                break
+            n += 1
+        return n
+
+    def has_room(self, prompt_len: int, matched_blocks: int) -> bool:
+        """A free slot, and KV blocks for the uncached part of the prompt (at least one block)."""
+        if self.free_slots <= 0:
+            return False
+        if not self.kv_blocks_total:  # the replica does not report KV: slots are the only limit
+            return True
+        needed = max(-(-prompt_len // self.block_size) - matched_blocks, 1)
+        return self.kv_blocks_free >= needed
+
+    def with_extra_running(self, n: int) -> ReplicaLoad:
+        """This load plus ``n`` requests sent since the stats were taken (not yet in them)."""
+        if n <= 0:
+            return self
+        return replace(self, running=self.running + n, free_slots=max(self.free_slots - n, 0))
+
+
+@dataclass(frozen=True)
+class Ranking:
+    ranks: list[list[Hashable]]
+    """Replica ids, best first; Serve tries each inner list in turn (lowest queue length within one)."""
+    saturated: bool
+    """No replica is known to have room: the request will queue in an engine (or Serve backs off)."""
+
+
+def rank_replicas(
+    candidates: Sequence[ReplicaLoad],
+    request_hashes: Sequence[int],
+    now: float,
+    rng: random.Random,
+    stale_after_s: float,
+    *,
+    prompt_len: int = 0,
+    load_slack: float = DEFAULT_LOAD_SLACK,
+) -> Ranking:
+    """Rank replicas for one request, best first. Every candidate appears exactly once.
+
+    Tiers, in order:
+
+    1. Fresh, healthy replicas **with room** (a free slot and KV blocks for the uncached
+       part of the prompt), one per rank. Among them, the *comparable* ones are those whose
+       ``load`` is within ``load_slack`` of the least loaded one (0.25: a quarter of the
+       slots). Comparable replicas are ordered by longest cached prefix of the request
+       (contiguous leading blocks), then lower load, then at random; so a prefix hit of one
+       block beats a replica with slightly more free slots. The rest follow by load, then
+       prefix, then at random: a cache hit never sends work to a much busier replica.
+    2. Replicas with **missing or stale** stats (older than ``stale_after_s``): power of
+       two choices; two of them drawn at random share one rank (Serve takes the one with
+       the shorter queue), the others follow in one rank.
+    3. Fresh replicas that are **full** (no free slot or no KV headroom), one per rank,
+       least loaded first: the request will wait in that engine's queue.
+    4. Replicas reporting themselves **unhealthy**, in one last rank.
+
+    Ties are broken with ``rng`` (one draw per candidate, in candidate order), so a
+    seeded ``rng`` gives a reproducible ranking.
+    """
+    room: list[tuple[float, int, float, Hashable]] = []  # (load, matched blocks, tie, id)
+    full: list[tuple[float, float, Hashable]] = []
+    unknown: list[Hashable] = []
+    sick: list[Hashable] = []
+    for c in candidates:
+        tie = rng.random()
+        if not c.is_fresh(now, stale_after_s):
+            unknown.append(c.replica_id)
+        elif not c.healthy:
+            sick.append(c.replica_id)
+        else:
+            matched = c.prefix_match(request_hashes)
+            if c.has_room(prompt_len, matched):
+                room.append((c.load, matched, tie, c.replica_id))
+            else:
+                full.append((c.load, tie, c.replica_id))
+
+    ranks: list[list[Hashable]] = [[rid] for rid in _order_with_room(room, load_slack)]
+    ranks += _power_of_two(unknown, rng)
+    ranks += [[rid] for _, _, rid in sorted(full, key=lambda x: x[:2])]
+    if sick:
+        ranks.append(sick)
+    return Ranking(ranks=ranks, saturated=not room and not unknown)
+
+
+def _order_with_room(room: list[tuple[float, int, float, Hashable]], load_slack: float) -> list[Hashable]:
+    if not room:
+        return []
+    ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9
+    comparable = sorted((x for x in room if x[0] <= ceiling), key=lambda x: (-x[1], x[0], x[2]))
+    busier = sorted((x for x in room if x[0] > ceiling), key=lambda x: (x[0], -x[1], x[2]))
+    return [x[3] for x in comparable + busier]
+
+
+def _power_of_two(unknown: list[Hashable], rng: random.Random) -> list[list[Hashable]]:
+    if not unknown:
+        return []
+    ids = list(unknown)
+    rng.shuffle(ids)
+    return [ids[:2], ids[2:]] if len(ids) > 2 else [ids]
+
+
+def make_prefix_digest(hashes: Iterable[int], max_entries: int = DEFAULT_DIGEST_ENTRIES) -> list[int]:
+    """The ``prefix_hashes`` a replica publishes: the newest ``max_entries`` distinct hashes.
+
+    ``hashes`` are ordered oldest to newest, as ``BlockManager.recent_hashes`` returns
+    them. The digest travels in every routing-stats broadcast, so keep it in the hundreds.
+    """
+    if not _is_int(max_entries) or max_entries < 0:
+        raise ValueError(f"max_entries must be an integer >= 0, got {max_entries!r}")
+    newest_first: list[int] = []
+    seen: set[int] = set()
+    for h in reversed(list(hashes)):
+        if not _is_int(h) or h < 0:
+            raise ValueError(f"hashes must be non-negative ints from engine.kv.hashing, got {h!r}")
+        if h in seen:
+            continue
+        if len(newest_first) >= max_entries:
+            break
+        seen.add(h)
+        newest_first.append(h)
+    newest_first.reverse()
+    return newest_first
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """The ``request_router_kwargs`` of ``SlotAwareRequestRouter``, validated."""
+
+    stale_after_s: float = 5.0
+    """Stats older than this are ignored (the replica is ranked as unknown)."""
+    block_size: int = 16
+    """Block size for the request's hashes when no replica has reported one yet."""
+    max_prefix_blocks: int = 256
+    """Hash at most this many leading blocks of a prompt (bounds router CPU per request)."""
+    load_slack: float = DEFAULT_LOAD_SLACK
+    """How much busier (in load units) a replica may be and still win on a prefix hit."""
+    seed: int | None = None
+    """Seed for tie-breaking; None draws from the OS."""
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.stale_after_s) or self.stale_after_s <= 0:
+            raise ValueError(f"stale_after_s must be a number > 0, got {self.stale_after_s!r}")
+        if not _is_int(self.block_size) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if not _is_int(self.max_prefix_blocks) or self.max_prefix_blocks < 0:
+            raise ValueError(f"max_prefix_blocks must be an integer >= 0, got {self.max_prefix_blocks!r}")
+        if not _is_number(self.load_slack) or not 0 <= self.load_slack <= 1:
+            raise ValueError(f"load_slack must be a number in [0, 1], got {self.load_slack!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> RouterSettings:
+        allowed = [f for f in cls.__dataclass_fields__]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown request_router_kwargs {unknown}; allowed: {allowed}")
+        return cls(**kwargs)

@@ -1,0 +1,163 @@
+"""Ray Serve adapter for the slot-aware policy: a custom ``RequestRouter``.
+
+Serve builds one router per process that holds a handle to the engine deployment
+(the proxy, every ingress replica) and calls ``choose_replicas`` for each request.
+The ranking itself is ``router.policy.rank_replicas``; this module only turns Serve's
+objects into ``ReplicaLoad``s and back. Attach it with ``request_router_config()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from engine.kv.hashing import prefix_block_hashes
+from router.policy import ReplicaLoad, RouterSettings, rank_replicas
+
+logger = logging.getLogger("ray.serve")
+
+ROUTER_CLASS_PATH = "router.request_router.SlotAwareRequestRouter"
+_SATURATION_LOG_PERIOD_S = 10.0
+
+
+def request_router_config(period_s: float = 0.5, **router_kwargs: Any) -> RequestRouterConfig:
+    """The ``request_router_config`` for the engine deployment.
+
+    ``period_s`` is how often Serve polls each replica's ``record_routing_stats``;
+    ``router_kwargs`` are ``RouterSettings`` fields, validated here so a typo fails at
+    build time rather than in every proxy. ``stale_after_s`` defaults to four periods
+    (at least 5 s).
+    """
+    if not isinstance(period_s, (int, float)) or isinstance(period_s, bool) or period_s <= 0:
+        raise ValueError(f"period_s must be a number > 0, got {period_s!r}")
+    router_kwargs.setdefault("stale_after_s", max(RouterSettings.stale_after_s, 4.0 * period_s))
+    settings = RouterSettings.from_kwargs(router_kwargs)
+    if settings.stale_after_s <= 2 * period_s:
+        raise ValueError(f"stale_after_s must exceed two stats periods (2 * {period_s} s), "
+                         f"got {settings.stale_after_s}")
+    return RequestRouterConfig(
+        request_router_class=ROUTER_CLASS_PATH,
+        request_router_kwargs=dict(router_kwargs),
+        request_routing_stats_period_s=period_s,
+    )
+
+
+def prompt_token_ids(pending_request: PendingRequest | None) -> list[int]:
+    """The prompt of a ``generate(request_dict)`` call; [] for anything else (``stats()``...)."""
+    if pending_request is None or not pending_request.args:
+        return []
+    request = pending_request.args[0]
+    if not isinstance(request, Mapping):
+        return []
+    ids = request.get("prompt_token_ids")
+    return ids if isinstance(ids, (list, tuple)) else []
+
+
+class SlotAwareRequestRouter(RequestRouter):
+    """Routes each request to a replica with free slots, KV headroom and its cached prefix.
+
+    Not combined with ``FIFOMixin`` on purpose: FIFO hands the replica found for one
+    request to the oldest waiting request, whose prompt may share nothing with that
+    replica's cache. Serve's default matching gives each request the replica ranked for
+    it. Each routing task still takes requests in arrival order.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._settings = RouterSettings()
+        self._rng = random.Random()
+        # Parsed stats per replica, reused until Serve delivers a new stats dict.
+        self._parsed: dict[ReplicaID, tuple[Any, ReplicaLoad]] = {}
+        # Requests this router sent, per replica: internal id -> time sent. Those sent after
+        # a replica's stats were taken are added to its load, so a burst arriving within one
+        # stats period spreads out instead of piling onto the replica that looked emptiest.
+        self._sent: dict[ReplicaID, dict[str, float]] = {}
+        self._reported_problems: set[ReplicaID] = set()
+        self._last_saturation_log = 0.0
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Receives ``request_router_kwargs``: the ``RouterSettings`` fields."""
+        self._settings = RouterSettings.from_kwargs(kwargs)
+        self._rng = random.Random(self._settings.seed)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        context = getattr(pending_request, "routing_context", None)
+        if context is not None and hasattr(context, "should_backoff"):
+            # Serve reads this only after every rank refused; unset, it asks again at once (a hot
+            # loop while all replicas are at max_ongoing_requests). Set, it backs off.
+            context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        now = time.time()
+        loads = [self._load_of(r) for r in candidate_replicas]
+        prompt = prompt_token_ids(pending_request)
+        hashes = []
+        if prompt and self._settings.max_prefix_blocks:
+            hashes = prefix_block_hashes(prompt, _block_size(loads, self._settings.block_size),
+                                         max_blocks=self._settings.max_prefix_blocks)
+        ranking = rank_replicas(loads, hashes, now, self._rng, self._settings.stale_after_s,
+                                prompt_len=len(prompt), load_slack=self._settings.load_slack)
+        if ranking.saturated and now - self._last_saturation_log > _SATURATION_LOG_PERIOD_S:
+            self._last_saturation_log = now
+            logger.info("All %d replicas of %s are full; requests queue in the engines.",
+                        len(loads), self._deployment_id)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[rid] for rid in rank] for rank in ranking.ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._sent.setdefault(replica_id, {})[pending_request.metadata.internal_request_id] = time.time()
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        sent = self._sent.get(replica_id)
+        if sent is not None:
+            sent.pop(internal_request_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for table in (self._parsed, self._sent):
+            for rid in [rid for rid in table if rid not in live]:
+                del table[rid]
+
+    def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
+        stats = replica.routing_stats
+        cached = self._parsed.get(replica.replica_id)
+        if cached is not None and cached[0] is stats:
+            load = cached[1]
+        else:
+            load = ReplicaLoad.from_stats(replica.replica_id, stats)
+            self._parsed[replica.replica_id] = (stats, load)
+            self._report_problem(replica.replica_id, load)
+        sent = self._sent.get(replica.replica_id)
+        if not sent or not load.known:
+            return load
+        # Requests sent before the stats were taken are in them already; forget those.
+        for request_id in [k for k, t in sent.items() if t <= load.updated_at]:
+            del sent[request_id]
+        return load.with_extra_running(len(sent))
+
+    def _report_problem(self, replica_id: ReplicaID, load: ReplicaLoad) -> None:
+        # An empty dict is normal until the first stats poll; anything else is a contract bug.
+        if load.known or load.problem == "no stats yet" or replica_id in self._reported_problems:
+            return
+        self._reported_problems.add(replica_id)
+        logger.warning("Ignoring routing stats of %s: %s", replica_id, load.problem)
+
+
+def _block_size(loads: list[ReplicaLoad], fallback: int) -> int:
+    """The block size most replicas report (they agree unless a rollout is under way)."""
+    counts: dict[int, int] = {}
+    for load in loads:
+        if load.known:
+            counts[load.block_size] = counts.get(load.block_size, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else fallback
