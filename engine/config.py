@@ -8,12 +8,18 @@ and rejects unknown ones by name instead of silently dropping them.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 SCHEDULING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "flash")
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check(cond: bool, name: str, allowed: str, value: Any) -> None:
@@ -37,9 +43,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty path or model name", self.model)
         _check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
-        _check(isinstance(self.device, str) and self.device.split(":")[0] in ("auto", "cpu", "cuda"),
+        _check(isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                "device", "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
-        _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len > 0),
+        _check(_int(self.seed) and self.seed >= 0, "seed", "a non-negative integer", self.seed)
+        _check(self.max_model_len is None or (_int(self.max_model_len) and self.max_model_len > 0),
                "max_model_len", "a positive integer or None", self.max_model_len)
 
 
@@ -54,11 +61,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024, "block_size",
+        _check(_int(self.block_size) and 1 <= self.block_size <= 1024, "block_size",
                "an integer in [1, 1024]", self.block_size)
-        _check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 2),
+        _check(self.num_kv_blocks is None or (_int(self.num_kv_blocks) and self.num_kv_blocks >= 2),
                "num_kv_blocks", "an integer >= 2 or None", self.num_kv_blocks)
         _check(self.kv_cache_memory_gb is None or (isinstance(self.kv_cache_memory_gb, (int, float))
+                                                   and not isinstance(self.kv_cache_memory_gb, bool)
+                                                   and math.isfinite(self.kv_cache_memory_gb)
                                                    and self.kv_cache_memory_gb > 0),
                "kv_cache_memory_gb", "a positive number or None", self.kv_cache_memory_gb)
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool",
@@ -78,13 +87,13 @@ class SchedulerConfig:
     """``continuous`` (join/leave every step) or ``static`` (fixed batches, the straw man)."""
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096, "max_num_seqs",
+        _check(_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 4096, "max_num_seqs",
                "an integer in [1, 4096]", self.max_num_seqs)
-        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+        _check(_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
                "max_num_batched_tokens", "a positive integer", self.max_num_batched_tokens)
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                f">= max_num_seqs ({self.max_num_seqs})", self.max_num_batched_tokens)
-        _check(isinstance(self.max_waiting, int) and self.max_waiting >= 0, "max_waiting",
+        _check(_int(self.max_waiting) and self.max_waiting >= 0, "max_waiting",
                "a non-negative integer", self.max_waiting)
         _check(isinstance(self.enable_chunked_prefill, bool), "enable_chunked_prefill", "a bool",
                self.enable_chunked_prefill)
@@ -97,9 +106,9 @@ class ParallelConfig:
     rank: int = 0
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+        _check(_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
                "tensor_parallel_size", "a positive integer", self.tensor_parallel_size)
-        _check(isinstance(self.rank, int) and 0 <= self.rank < self.tensor_parallel_size, "rank",
+        _check(_int(self.rank) and 0 <= self.rank < self.tensor_parallel_size, "rank",
                f"an integer in [0, {self.tensor_parallel_size})", self.rank)
 
 
@@ -120,7 +129,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"one of {ATTENTION_BACKENDS}", self.attention_backend)
-        _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+        _check(self.num_threads is None or (_int(self.num_threads) and self.num_threads >= 1),
                "num_threads", "a positive integer or None", self.num_threads)
 
     @classmethod

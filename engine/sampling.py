@@ -59,10 +59,15 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
-        else:
+        elif isinstance(stop, (list, tuple)):
             stop = tuple(stop)
+        else:
+            raise _err("stop", "a string or a list of strings", stop)
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise _err("stop_token_ids", "a list of token ids", ids)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(ids or ()))
         self._validate()
 
     def _validate(self) -> None:

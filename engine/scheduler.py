@@ -99,7 +99,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.token_budget
         scheduled: dict[str, ScheduledChunk] = {}
-        self.running.sort(key=Request.sort_key)
+        # Decodes before the rest of chunked prefills (a recomputed request keeps its old
+        # seq_no and would otherwise take the whole budget ahead of decoding requests).
+        self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.priority, r.seq_no))
         for req in list(self.running):
             if budget <= 0:
                 break

@@ -96,6 +96,9 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 self._free_cached.pop(b)
             self.ref_counts[b] += 1
+            # A hit refreshes the hash's place in the digest: popular prefixes stay advertised.
+            h = self.block_hash[b]
+            self.hash_to_block[h] = self.hash_to_block.pop(h)
 
     def register_full_block(self, block: int, parent_hash: int, token_ids: Sequence[int]) -> int:
         """Publish a block that just became full; returns its hash (the next block's parent)."""

@@ -25,6 +25,13 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
+def _check_full(loaded: torch.Tensor, dim: int, expected: int, name: str) -> None:
+    """The checkpoint holds the unsharded tensor: its split dimension must be the full size."""
+    if loaded.shape[dim] != expected:
+        raise ValueError(f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}: size "
+                         f"{loaded.shape[dim]} on dim {dim}, expected {expected} (does config.json match the weights?)")
+
+
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
@@ -58,6 +65,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
+        _check_full(loaded, 0, size * self.group.world_size, type(self).__name__)
         _copy_checked(param, loaded.narrow(0, self.group.rank * size, size), type(self).__name__)
 
 
@@ -72,6 +80,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         ws, rank = self.group.world_size, self.group.rank
         offset = sum(self.out_sizes[:shard_id]) // ws
         size = self.out_sizes[shard_id] // ws
+        _check_full(loaded, 0, self.out_sizes[shard_id], f"{type(self).__name__}[{shard_id}]")
         _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size),
                       f"{type(self).__name__}[{shard_id}]")
 
@@ -96,6 +105,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         d, rank = self.head_dim, self.group.rank
         q_size, kv_size = self.local_heads * d, self.local_kv_heads * d
+        _check_full(loaded, 0, (self.local_heads * self.group.world_size if shard_id == "q"
+                                else self.local_kv_heads * self.group.world_size // self.kv_replicas) * d,
+                    f"QKVParallelLinear[{shard_id}]")
         if shard_id == "q":
             dst, src = param.data.narrow(0, 0, q_size), loaded.narrow(0, rank * q_size, q_size)
         else:
@@ -116,6 +128,7 @@ class RowParallelLinear(LinearBase):
             _copy_checked(param, loaded, "RowParallelLinear.bias")
             return
         size = param.shape[1]
+        _check_full(loaded, 1, size * self.group.world_size, "RowParallelLinear")
         _copy_checked(param, loaded.narrow(1, self.group.rank * size, size), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""Bad input gets a clear error naming the field, before anything is scheduled;
+requests already running are not disturbed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine import (EngineOverloadedError, InvalidRequestError, LLM, LLMEngine, ModelLoadError, SamplingParams)
+from tests.factories import make_model_dir
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return LLMEngine.from_options(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=16,
+                                  max_model_len=512, max_waiting=3, max_num_seqs=2)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([], "must not be empty"),
+    ([1, 2, 10_000], r"integers in \[0, 512\)"),
+    ([1, -1], r"integers in \[0, 512\)"),
+    ([1, 2.0], "integers"),
+    ("hello", "list of token ids"),
+    ([3] * 200, "prompt has 200 tokens; at most 127 fit"),  # pool: 16 blocks x 8 tokens
+])
+def test_bad_prompts(engine, prompt, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(prompt, GREEDY)
+    assert not engine.has_unfinished()
+
+
+def test_bad_request_fields(engine):
+    with pytest.raises(InvalidRequestError, match="params must be a SamplingParams"):
+        engine.add_request([1, 2], {"temperature": 0})
+    with pytest.raises(InvalidRequestError, match="priority must be an integer"):
+        engine.add_request([1, 2], GREEDY, priority="high")
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        engine.add_request([1, 2], GREEDY, request_id="")
+
+
+def test_bad_input_does_not_disturb_running_requests(engine, tiny_model_dir):
+    want = LLM(str(tiny_model_dir), dtype="float32").generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0]
+    engine.add_request([5, 6, 7], GREEDY, request_id="good")
+    tokens = [t for out in engine.step() for t in out.new_token_ids]
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request([8, 9], GREEDY, request_id="good")
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([], GREEDY)
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == want.outputs[0].token_ids
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_overload_error_when_the_queue_is_full(engine):
+    for i in range(5):  # 2 slots are not used until a step runs: all 5 would wait
+        if i < 3:
+            engine.add_request([1, 2, 3], GREEDY, request_id=f"q{i}")
+        else:
+            with pytest.raises(EngineOverloadedError, match="max_waiting 3"):
+                engine.add_request([1, 2, 3], GREEDY, request_id=f"q{i}")
+    for i in range(3):
+        assert engine.abort(f"q{i}")
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs if o.finish_reason == "abort") == ["q0", "q1", "q2"]
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_abort_running_frees_blocks_before_next_step(engine):
+    engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       request_id="long")
+    engine.step()
+    assert engine.block_manager.num_used > 0
+    engine.abort("long")
+    assert engine.block_manager.num_used == 0
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    assert not engine.has_unfinished()
+
+
+def test_text_prompt_without_tokenizer_is_rejected(tmp_path):
+    path = make_model_dir(tmp_path / "m", with_tokenizer=False)
+    llm = LLM(str(path), dtype="float32")
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        llm.generate("hello")
+
+
+@pytest.fixture()
+def model_copy(tiny_model_dir, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, dst)
+    return dst
+
+
+def test_missing_weights(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLMEngine.from_options(str(model_copy))
+
+
+def test_corrupt_weights(model_copy):
+    (model_copy / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        LLMEngine.from_options(str(model_copy))
+
+
+def test_corrupt_config(model_copy):
+    (model_copy / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLMEngine.from_options(str(model_copy))
+
+
+def test_unsupported_architecture(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        LLMEngine.from_options(str(model_copy))
+
+
+def test_weights_of_the_wrong_shape(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="shape"):
+        LLMEngine.from_options(str(model_copy))
+
+
+def test_unknown_model_name_lists_builtins():
+    with pytest.raises(ModelLoadError, match="smollm2-135m"):
+        LLMEngine.from_options("no-such-model-anywhere")
+
+
+def test_max_model_len_beyond_the_model(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"max_model_len must be <= .*\(1024\)"):
+        LLMEngine.from_options(str(tiny_model_dir), max_model_len=4096)
