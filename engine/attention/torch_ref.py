@@ -18,15 +18,30 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        self._scratch: list[torch.Tensor | None] = [None, None]
+
     def allocate_cache(self, num_blocks, dtype, device):
         shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """``[kv_heads, len(blocks) * block_size, d]`` holding the listed blocks, in order."""
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tensor:
+        """``[kv_heads, len(blocks) * block_size, d]`` holding the listed blocks, in order.
+
+        Written into a scratch buffer kept across calls (one per K and V): a fresh multi-MB
+        allocation per layer would be mmap'd and page-faulted in on every step."""
         h, _, d = cache.shape
-        per_block = cache.view(h, -1, self.block_size * d)
-        return per_block.index_select(1, blocks).view(h, -1, d)
+        n = blocks.numel()
+        need = h * n * self.block_size * d
+        scratch = self._scratch[which]
+        if scratch is None or scratch.numel() < need or scratch.dtype != cache.dtype or scratch.device != cache.device:
+            scratch = torch.empty(max(need, 2 * (scratch.numel() if scratch is not None else 0)),
+                                  dtype=cache.dtype, device=cache.device)
+            self._scratch[which] = scratch
+        out = scratch[:need].view(h, n, self.block_size * d)
+        torch.index_select(cache.view(h, -1, self.block_size * d), 1, blocks, out=out)
+        return out.view(h, n * self.block_size, d)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         k_cache, v_cache = kv_cache
@@ -47,8 +62,8 @@ class TorchAttentionBackend(AttentionBackend):
         group = self.num_heads // hkv
         nb = -(-max_len // self.block_size)
         blocks = meta.block_table[first:end, :nb].reshape(-1).long()
-        keys = self._gather(k_cache, blocks).view(hkv * g, nb * self.block_size, d)
-        values = self._gather(v_cache, blocks).view(hkv * g, nb * self.block_size, d)
+        keys = self._gather(k_cache, blocks, 0).view(hkv * g, nb * self.block_size, d)
+        values = self._gather(v_cache, blocks, 1).view(hkv * g, nb * self.block_size, d)
         qh = q.view(g, hkv, group, d).transpose(0, 1).reshape(hkv * g, group, d)
         scores = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)
         lens = meta.seqlens_k[first:end]
@@ -68,8 +83,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             nb = -(-kv_len // self.block_size)
             blocks = meta.block_table[i, :nb].long()
-            keys = self._gather(k_cache, blocks)[:, :kv_len].unsqueeze(0)
-            values = self._gather(v_cache, blocks)[:, :kv_len].unsqueeze(0)
+            keys = self._gather(k_cache, blocks, 0)[:, :kv_len].unsqueeze(0)
+            values = self._gather(v_cache, blocks, 1)[:, :kv_len].unsqueeze(0)
             # query j sits at position (kv_len - n + j) and sees keys up to it
             pos_q = torch.arange(kv_len - n, kv_len, device=q.device)
             mask = torch.arange(kv_len, device=q.device)[None, :] <= pos_q[:, None]
