@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.kv.block_manager import BlockManager
 from engine.model import ModelArch
+from engine.parallel import ParallelGroup
 from engine.outputs import FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
 from engine.request import Request
 from engine.runner import ModelRunner
@@ -42,7 +43,8 @@ def _generation_eos_ids(path: Path) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: ParallelGroup | None = None) -> None:
+        """``group``: this process's place among a replica's tensor-parallel ranks (default: alone)."""
         from engine.models_hub import resolve_model
 
         self.config = config
@@ -52,7 +54,7 @@ class LLMEngine:
         self.model_path = Path(resolve_model(config.model.model))
         self.arch = ModelArch.from_dir(self.model_path)
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(config, self.model_path, self.arch, self.max_model_len)
+        self.runner = ModelRunner(config, self.model_path, self.arch, self.max_model_len, group)
         bs = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         # A request can never hold more tokens than the pool, or it would preempt itself forever.
