@@ -1,8 +1,6 @@
 """Model runner: turns a scheduler step into packed tensors, runs the model, samples.
 
-Step inputs are packed without padding: decodes first (sorted by KV length, so the torch
-backend can batch them in length groups), then prefill chunks. The slot mapping is computed
-with tensor ops from positions and the block table, not per token in Python.
+Step inputs are built by engine.attention.metadata (shared by every backend).
 """
 
 from __future__ import annotations
@@ -13,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata, create_backend
+from engine.attention import create_backend
+from engine.attention.metadata import build_step_inputs
 from engine.config import EngineConfig
 from engine.model import ModelArch, load_model
 from engine.parallel import ParallelGroup
-from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledChunk
 
@@ -26,9 +24,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_GB = 2.0
 GPU_MEMORY_FRACTION = 0.85
-# Cost of one extra decode group, in padded KV tokens: a group adds a few kernel launches
-# per layer, which on CPU take about as long as gathering and attending over ~512 tokens.
-GROUP_OVERHEAD_TOKENS = 512
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,28 +39,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         # float32 on CPU: exact against the HF oracle and not slower for small models here.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
-
-
-def plan_decode_groups(kv_lens: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -> list[tuple[int, int, int]]:
-    """Split KV lengths sorted in decreasing order into contiguous groups minimising
-    padded tokens + ``overhead`` per group (exact dynamic programme; B is at most a few hundred)."""
-    n = len(kv_lens)
-    if n == 0:
-        return []
-    best = [0] + [1 << 62] * n     # best[j]: cost of grouping the first j requests
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):
-            cost = best[i] + (j - i) * kv_lens[i] + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups = []
-    j = n
-    while j > 0:
-        i = cut[j]
-        groups.append((i, j, kv_lens[i]))
-        j = i
-    return groups[::-1]
 
 
 class ModelRunner:
@@ -111,46 +84,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def prepare(self, chunks: list[ScheduledChunk]):
-        """Order chunks and build the packed inputs; returns (ordered chunks, tensors...)."""
-        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -(c.start + 1))
-        prefills = [c for c in chunks if c.num_tokens != 1]
-        order = decodes + prefills
-        dev = self.device
-        bs = self.block_size
-        query_lens = [c.num_tokens for c in order]
-        kv_lens = [c.start + c.num_tokens for c in order]
-        ids: list[int] = []
-        starts: list[int] = []
-        for c in decodes:
-            ids.append(c.request.token_ids[c.start])
-        for c in prefills:
-            ids.extend(c.request.token_ids[c.start:c.start + c.num_tokens])
-        starts = [c.start for c in order]
-        max_blocks = max(-(-kv // bs) for kv in kv_lens)
-        table = [c.request.block_ids[:max_blocks] + [0] * (max_blocks - min(len(c.request.block_ids), max_blocks))
-                 for c in order]
-        i32 = dict(dtype=torch.int32, device=dev)
-        q_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        row_of_token = torch.repeat_interleave(torch.arange(len(order)), q_lens_t)
-        cu_q = torch.zeros(len(order) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=cu_q[1:])
-        positions = torch.tensor(starts, dtype=torch.int64)[row_of_token] + (
-            torch.arange(len(ids)) - cu_q[:-1][row_of_token])
-        block_table = torch.tensor(table, dtype=torch.int64)
-        slots = block_table[row_of_token, positions // bs] * bs + positions % bs
-        kv_t = torch.tensor(kv_lens, dtype=torch.int64)
-        cu_k = torch.zeros(len(order) + 1, dtype=torch.int64)
-        torch.cumsum(kv_t, 0, out=cu_k[1:])
-        sample_rows = [i for i, c in enumerate(order) if c.samples]
-        logits_indices = (cu_q[1:] - 1)[sample_rows] if sample_rows else torch.zeros(0, dtype=torch.int64)
-        meta = AttentionMetadata(
-            cu_seqlens_q=cu_q.to(**i32), cu_seqlens_k=cu_k.to(**i32), seqlens_k=kv_t.to(**i32),
-            block_table=block_table.to(**i32), slot_mapping=slots.to(dev), max_seqlen_q=max(query_lens),
-            max_seqlen_k=max(kv_lens), num_decodes=len(decodes), query_lens=query_lens, kv_lens=kv_lens,
-            decode_groups=plan_decode_groups(kv_lens[:len(decodes)]))
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        sampling_reqs = [order[i].request for i in sample_rows]
-        return sampling_reqs, input_ids, positions.to(dev), meta, logits_indices.to(dev)
+        return build_step_inputs(chunks, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], timings: dict[str, float] | None = None):

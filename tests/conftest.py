@@ -26,3 +26,15 @@ def tiny_model_dir(tmp_path_factory):
     from tests.factories import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA (and, for the flash backend, flash-attn): skipped elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
