@@ -212,7 +212,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ observability
     def _refresh_stats(self) -> None:
         s = self._stats
-        s.running = len(self.scheduler.running)
+        running = self.scheduler.running
+        s.running = len(running)
+        s.kv_tokens = sum(r.num_computed_tokens for r in running)
         s.waiting = self.scheduler.num_waiting
         s.kv_blocks_used = self.block_manager.num_used
         s.prefix_cache_queries = self.block_manager.prefix_queries

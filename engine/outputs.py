@@ -79,6 +79,8 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     block_size: int = 0
+    kv_tokens: int = 0
+    """Tokens whose KV the running requests hold (shared prefix blocks counted per holder)."""
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache."""
     prefix_cache_hits: int = 0
@@ -102,6 +104,12 @@ class EngineStats:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
     @property
+    def kv_fragmentation(self) -> float:
+        """Share of referenced KV slots holding no token: only partial last blocks waste space."""
+        slots = self.kv_blocks_used * self.block_size
+        return max(0.0, 1.0 - self.kv_tokens / slots) if slots else 0.0
+
+    @property
     def slot_occupancy(self) -> float:
         """running / max_num_seqs, or KV usage when higher: the autoscaling signal."""
         slots = self.running / self.max_num_seqs if self.max_num_seqs else 0.0
@@ -109,5 +117,6 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(free_slots=self.free_slots, kv_usage=self.kv_usage, slot_occupancy=self.slot_occupancy)
+        d.update(free_slots=self.free_slots, kv_usage=self.kv_usage, slot_occupancy=self.slot_occupancy,
+                 kv_fragmentation=self.kv_fragmentation)
         return d
