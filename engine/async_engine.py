@@ -114,7 +114,8 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        waiting = self._stats.waiting + len(self._inbox)
+        # Requests still in the inbox will first fill free slots; only the rest will wait.
+        waiting = self._stats.waiting + max(0, len(self._inbox) - self._stats.free_slots)
         if waiting >= self.config.scheduler.max_waiting:
             raise EngineOverloadedError(f"engine queue is full ({waiting} waiting, max_waiting "
                                         f"{self.config.scheduler.max_waiting}); retry later or on another replica")

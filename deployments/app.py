@@ -1,0 +1,97 @@
+"""build_app: the Serve application, from a Serve config's ``args`` (see AppConfig).
+
+    applications:
+      - name: slotserve
+        import_path: deployments.app:build_app
+        args: {model: smollm2-135m, engine: {max_num_seqs: 8}, num_replicas: 2}
+
+The ``Router`` ingress (gRPC + OpenAI HTTP) holds a handle to the ``EngineReplica``
+deployment; that handle's request router is the slot-aware one from ``router/``
+(``routing: default`` falls back to Serve's own), and with ``autoscaling`` the replica
+count follows slot occupancy (``router.autoscale``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig
+
+from deployments.app_config import AppConfig
+from deployments.frontend import FrontendConfig
+from deployments.ingress import ENGINE_DEPLOYMENT, RouterIngress
+from deployments.replica import ServeEngineReplica
+
+INGRESS_DEPLOYMENT = "Router"
+
+
+def frontend_config(cfg: AppConfig) -> FrontendConfig:
+    return FrontendConfig(served_model_name=cfg.model_name, model=cfg.model, max_prompt_tokens=cfg.max_prompt_tokens,
+                          max_prompt_chars=cfg.max_prompt_chars, default_max_tokens=cfg.default_max_tokens,
+                          request_timeout_s=cfg.request_timeout_s, api_keys=cfg.api_keys)
+
+
+def _autoscaling_config(cfg: AppConfig):
+    knobs = cfg.autoscaling
+    max_num_seqs = cfg.engine_scheduler().max_num_seqs
+    common = dict(min_replicas=knobs.min_replicas, max_replicas=knobs.max_replicas,
+                  initial_replicas=knobs.initial_replicas, upscale_delay_s=knobs.upscale_delay_s,
+                  downscale_delay_s=knobs.downscale_delay_s, metrics_interval_s=knobs.metrics_interval_s,
+                  look_back_period_s=knobs.look_back_period_s)
+    if knobs.policy == "slot_occupancy":
+        try:
+            from router.autoscale import autoscaling_config
+        except ImportError as exc:
+            raise ValueError("autoscaling.policy 'slot_occupancy' needs router.autoscale "
+                             f"({exc}); set autoscaling.policy: default to use Serve's") from None
+        return autoscaling_config(target_occupancy=knobs.target_occupancy, scale_to_zero=knobs.min_replicas == 0,
+                                  slots_per_replica=max_num_seqs, **common)
+    return AutoscalingConfig(target_ongoing_requests=max(1.0, knobs.target_occupancy * max_num_seqs), **common)
+
+
+def engine_deployment_options(cfg: AppConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT,
+        "ray_actor_options": {"num_cpus": cfg.replica_resources.num_cpus,
+                              "num_gpus": cfg.replica_resources.num_gpus},
+        "max_ongoing_requests": cfg.engine_max_ongoing_requests(),
+        # Serve drains ongoing requests within this budget, then calls __del__ (which
+        # stops the engine); leave the engine a few seconds to stop before the kill.
+        "graceful_shutdown_timeout_s": cfg.drain_timeout_s + 5.0,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "health_check_period_s": cfg.health_check_period_s,
+        "health_check_timeout_s": cfg.health_check_timeout_s,
+    }
+    if cfg.autoscaling is not None:
+        options["autoscaling_config"] = _autoscaling_config(cfg)
+    else:
+        options["num_replicas"] = cfg.num_replicas
+    if cfg.routing == "slot_aware":
+        try:
+            from router.request_router import request_router_config
+        except ImportError as exc:
+            raise ValueError(f"routing 'slot_aware' needs router.request_router ({exc}); "
+                             "set routing: default to use Serve's router") from None
+        options["request_router_config"] = request_router_config(period_s=cfg.routing_stats_period_s)
+    return options
+
+
+def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
+    """Engine options as given, plus torch threads sized to the replica's CPU share: replicas
+    sharing cores must not each spin a full OpenMP team (that slows every op many-fold)."""
+    options = dict(cfg.engine_options)
+    if "num_threads" not in options and cfg.replica_resources.num_gpus == 0:
+        options["num_threads"] = max(1, int(cfg.replica_resources.num_cpus))
+    return options
+
+
+def build_app(args: Mapping[str, Any] | None = None) -> Application:
+    cfg = AppConfig.from_args(args)
+    engine = serve.deployment(ServeEngineReplica, **engine_deployment_options(cfg)).bind(
+        cfg.model, replica_engine_options(cfg), cfg.engine_class, cfg.drain_timeout_s)
+    ingress = serve.deployment(RouterIngress, name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress.num_replicas,
+                               ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+                               max_ongoing_requests=cfg.ingress.max_ongoing_requests)
+    return ingress.bind(engine, frontend_config(cfg), cfg.max_body_bytes)

@@ -1,0 +1,193 @@
+"""The ``slotserve`` command.
+
+    slotserve serve [--config configs/local-cpu.yaml]   # local Ray + the app; Ctrl-C stops it
+    slotserve generate --target 127.0.0.1:9000 "Hello"  # stream a completion over gRPC
+    slotserve generate --chat "Write a haiku"           # the same, through the chat template
+    slotserve load --target 127.0.0.1:9000              # per-replica load, as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = "configs/local-cpu.yaml"
+DEFAULT_TARGET = "127.0.0.1:9000"
+
+
+def _stub(target: str):
+    import grpc
+
+    from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+    return slotserve_pb2_grpc.SlotServeStub(grpc.insecure_channel(target))
+
+
+def _metadata(api_key: str | None) -> list[tuple[str, str]]:
+    key = api_key or os.environ.get("SLOTSERVE_API_KEY")
+    return [("authorization", f"Bearer {key}")] if key else []
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+
+    sampling = pb.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = pb.GenerateRequest(sampling=sampling, model=args.model or "")
+    if args.chat:
+        request.messages.messages.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
+    call = _stub(args.target).Generate(request, timeout=args.timeout, metadata=_metadata(args.api_key))
+    try:
+        for response in call:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            if response.finish_reason:
+                usage = response.usage
+                reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+                print(f"\n[{reason}; {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens]",
+                      file=sys.stderr)
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        call.cancel()
+        return 130
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+
+    try:
+        report = _stub(args.target).GetLoad(pb.GetLoadRequest(), timeout=args.timeout,
+                                            metadata=_metadata(args.api_key))
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(MessageToDict(report, always_print_fields_with_no_presence=True), indent=2))
+    return 0
+
+
+def load_serve_config(path: str | Path, http_port: int | None = None, grpc_port: int | None = None) -> dict:
+    """A Serve config file, checked by Serve's own schema, with optional port overrides."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    if not isinstance(config, dict) or not config.get("applications"):
+        raise ValueError(f"{path}: not a Serve config file (no 'applications' list)")
+    if http_port is not None:
+        config.setdefault("http_options", {})["port"] = http_port
+    if grpc_port is not None:
+        config.setdefault("grpc_options", {})["port"] = grpc_port
+    ServeDeploySchema(**config)
+    for app in config["applications"]:
+        if app.get("deployments"):
+            raise ValueError(f"{path}: application {app.get('name')!r} has per-deployment overrides, which "
+                             "`slotserve serve` does not apply; put them in args, or use `serve run`")
+    return config
+
+
+def _import_path(path: str):
+    """``module:attr`` or ``module.attr``, as Serve's import_path."""
+    import importlib
+
+    module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not attr:
+        raise ValueError(f"import_path must look like 'package.module:builder', got {path!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = load_serve_config(args.config, args.http_port, args.grpc_port)
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    http = config.get("http_options") or {}
+    grpc_options = config.get("grpc_options") or {}
+    ray.init(num_cpus=args.num_cpus, include_dashboard=args.dashboard)
+    try:
+        serve.start(http_options=HTTPOptions(host=http.get("host", "127.0.0.1"), port=http.get("port", 8000)),
+                    grpc_options=gRPCOptions(port=grpc_options.get("port", 9000),
+                                             grpc_servicer_functions=grpc_options.get("grpc_servicer_functions", [])))
+        for app in config["applications"]:
+            target = _import_path(app["import_path"])
+            application = target(app.get("args") or {}) if callable(target) else target
+            serve.run(application, name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"),
+                      blocking=False)
+        host = http.get("host", "127.0.0.1")
+        print(f"slotserve is up:\n  gRPC  {host}:{grpc_options.get('port', 9000)} (slotserve.v1.SlotServe, "
+              f"grpc.health.v1.Health; the port listens on all interfaces)\n"
+              f"  HTTP  http://{host}:{http.get('port', 8000)}/v1 (OpenAI API)\nCtrl-C stops it.", flush=True)
+        signal.signal(signal.SIGTERM, _interrupt)  # a supervisor's stop shuts down like Ctrl-C
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("shutting down...", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slotserve", description="Serve and query LLMs on Ray Serve.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start a local Ray, deploy a Serve config, block until Ctrl-C")
+    s.add_argument("--config", default=DEFAULT_CONFIG, help=f"Serve config file (default {DEFAULT_CONFIG})")
+    s.add_argument("--http-port", type=int, help="override http_options.port")
+    s.add_argument("--grpc-port", type=int, help="override grpc_options.port")
+    s.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
+    s.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
+    s.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("generate", help="stream a completion over gRPC")
+    g.add_argument("prompt")
+    g.add_argument("--target", default=DEFAULT_TARGET, help=f"gRPC host:port (default {DEFAULT_TARGET})")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    g.add_argument("--model", help="model id (default: the served one)")
+    g.add_argument("--timeout", type=float, help="deadline in seconds; the request is aborted when it passes")
+    g.add_argument("--api-key", help="API key (default: $SLOTSERVE_API_KEY)")
+    g.set_defaults(func=cmd_generate)
+
+    lo = sub.add_parser("load", help="print the engine replicas' load (GetLoad) as JSON")
+    lo.add_argument("--target", default=DEFAULT_TARGET)
+    lo.add_argument("--timeout", type=float, default=10.0)
+    lo.add_argument("--api-key")
+    lo.set_defaults(func=cmd_load)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

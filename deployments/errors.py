@@ -1,0 +1,135 @@
+"""Serving errors and how each maps to a gRPC status code and an HTTP status.
+
+Every failure a client can see becomes one ``ServingError`` subclass, whatever raised
+it: request validation, the engine (``engine.errors``), Ray Serve (back-pressure, no
+replica, cancellation) or a timeout. Exceptions raised in a replica reach the ingress
+wrapped by Ray (``RayTaskError``, possibly also an instance of the cause's class, with
+the remote traceback in its text); ``to_serving_error`` unwraps them so the client
+reads the original message, not a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+
+
+class ServingError(Exception):
+    grpc_code = "INTERNAL"
+    http_status = 500
+    openai_type = "internal_error"
+    openai_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.openai_type, "param": self.param,
+                          "code": self.openai_code}}
+
+
+class BadRequest(ServingError):
+    grpc_code = "INVALID_ARGUMENT"
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
+class PayloadTooLarge(BadRequest):
+    http_status = 413
+
+
+class ModelNotFound(ServingError):
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+    openai_type = "invalid_request_error"
+    openai_code = "model_not_found"
+
+
+class Unauthenticated(ServingError):
+    grpc_code = "UNAUTHENTICATED"
+    http_status = 401
+    openai_type = "authentication_error"
+    openai_code = "invalid_api_key"
+
+
+class Overloaded(ServingError):
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 429
+    openai_type = "overloaded_error"
+    openai_code = "engine_overloaded"
+
+
+class Unavailable(ServingError):
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+    openai_type = "service_unavailable"
+
+
+class DeadlineExceeded(ServingError):
+    grpc_code = "DEADLINE_EXCEEDED"
+    http_status = 504
+    openai_type = "timeout"
+
+
+class Cancelled(ServingError):
+    grpc_code = "CANCELLED"
+    http_status = 499  # the de-facto code for "client closed request"
+    openai_type = "cancelled"
+
+
+# Ray's exception classes, by name: matching names keeps this module (and the unit
+# tests of everything above the ingress) free of a ray import.
+_RAY_UNAVAILABLE = {"DeploymentUnavailableError", "RayActorError", "ActorDiedError",
+                    "ActorUnavailableError", "ActorUnschedulableError", "WorkerCrashedError",
+                    "NodeDiedError"}
+_RAY_OVERLOADED = {"BackPressureError"}
+_RAY_CANCELLED = {"RequestCancelledError", "TaskCancelledError"}
+
+
+def _class_names(exc: BaseException) -> set[str]:
+    return {klass.__name__ for klass in type(exc).__mro__}
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The original exception behind Ray's wrappers (RayTaskError, gRPCStatusError)."""
+    for _ in range(8):  # wrappers nest at most a few levels; never loop forever
+        names = _class_names(exc)
+        if "RayTaskError" in names and getattr(exc, "cause", None) is not None:
+            exc = exc.cause
+        elif "gRPCStatusError" in names and getattr(exc, "original_exception", None) is not None:
+            exc = exc.original_exception
+        else:
+            break
+    return exc
+
+
+def to_serving_error(exc: BaseException) -> ServingError:
+    exc = unwrap(exc)
+    names = _class_names(exc)
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return BadRequest(str(exc))
+    if isinstance(exc, EngineOverloadedError):
+        message = _message(exc)
+        return Overloaded(message if "retry" in message else f"{message}; retry later")
+    if names & _RAY_OVERLOADED:
+        return Overloaded(f"too many requests queued for the engine replicas ({_message(exc)}); retry later")
+    if isinstance(exc, EngineDeadError):
+        return Unavailable(f"engine replica unavailable: {exc}. Retry; the replica is being replaced.")
+    if names & _RAY_UNAVAILABLE:
+        return Unavailable(f"no engine replica could take the request ({type(exc).__name__}). "
+                           "Retry shortly; replicas may be starting or restarting.")
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return DeadlineExceeded("the request did not finish before its deadline")
+    if isinstance(exc, asyncio.CancelledError) or names & _RAY_CANCELLED:
+        return Cancelled("the request was cancelled")
+    return ServingError(f"internal error: {type(exc).__name__}: {_message(exc)}")
+
+
+def _message(exc: BaseException) -> str:
+    text = getattr(exc, "message", None) or str(exc)
+    return text if len(text) <= 1000 else text[:1000] + "..."

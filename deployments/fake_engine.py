@@ -1,0 +1,187 @@
+"""A small deterministic stand-in for ``engine.AsyncEngine``, for serving-logic tests.
+
+Same interface (``from_options``, ``generate``, ``abort``, ``stats``, ``prefix_digest``,
+``check_health``, ``shutdown``, ``config``, ``vocab_size``, ``max_model_len``,
+``model_path``), no model: each step appends ``(last token * 31 + 7) % vocab_size`` to
+every running request, so outputs depend only on the prompt. It keeps the real
+engine's contract where the serving layer relies on it: bounded slots and waiting
+queue (``EngineOverloadedError``), coalesced messages (all tokens since the last one),
+abort frees the slot before the next step, ``check_health`` fails once the loop is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections import OrderedDict
+from typing import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.kv.hashing import prefix_block_hashes
+from engine.outputs import EngineStats, RequestTiming, StreamOutput
+from engine.sampling import SamplingParams
+
+
+class _Req:
+    def __init__(self, rid: str, prompt: list[int], params: SamplingParams, priority: int) -> None:
+        self.rid, self.prompt, self.params, self.priority = rid, prompt, params, priority
+        self.output: list[int] = []
+        self.emitted = 0
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.wake = asyncio.Event()
+        self.timing = RequestTiming(arrival_time=time.monotonic())
+
+
+class FakeAsyncEngine:
+    def __init__(self, config: EngineConfig, *, vocab_size: int = 256, eos_token_id: int | None = None,
+                 step_delay_s: float = 0.005, max_model_len: int = 2048) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_model_len = config.model.max_model_len or max_model_len
+        self.model_path = config.model.model
+        self.eos_token_id = eos_token_id
+        self.step_delay_s = step_delay_s
+        self._running: "OrderedDict[str, _Req]" = OrderedDict()
+        self._waiting: "OrderedDict[str, _Req]" = OrderedDict()
+        self._digest: "OrderedDict[int, None]" = OrderedDict()
+        self._stats = EngineStats(max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size,
+                                  kv_blocks_total=config.cache.num_kv_blocks or 256)
+        self._loop_task: asyncio.Task | None = None
+        self._dead: str | None = None
+        self._stopped = False
+
+    @classmethod
+    def from_options(cls, model: str, *, vocab_size: int = 256, eos_token_id: int | None = None,
+                     step_delay_s: float = 0.005, **options) -> "FakeAsyncEngine":
+        return cls(EngineConfig.from_options(model, **options), vocab_size=vocab_size,
+                   eos_token_id=eos_token_id, step_delay_s=step_delay_s)
+
+    # -- the AsyncEngine interface ---------------------------------------------------
+
+    async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[StreamOutput]:
+        req = self._submit(list(prompt_token_ids), params, request_id or uuid.uuid4().hex, priority)
+        try:
+            while True:
+                await req.wake.wait()
+                req.wake.clear()
+                out = self._drain(req)
+                if out is not None:
+                    yield out
+                    if out.finished:
+                        return
+        finally:
+            self.abort(req.rid)
+
+    def abort(self, request_id: str) -> bool:
+        req = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
+        if req is None:
+            return False
+        if req.finish_reason is None:
+            req.finish_reason = "abort"
+            self._stats.num_aborted += 1
+        req.wake.set()
+        return True
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.running, s.waiting = len(self._running), len(self._waiting)
+        s.kv_blocks_used = sum(math.ceil((len(r.prompt) + len(r.output)) / s.block_size) for r in self._running.values())
+        return EngineStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
+
+    def prefix_digest(self, max_entries: int) -> list[int]:
+        return list(self._digest)[-max_entries:]
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for rid in list(self._running) + list(self._waiting):
+            self.abort(rid)
+
+    def kill(self, reason: str = "the engine loop died (killed by a test)") -> None:
+        """Test hook: make the loop dead, as a crashed step would."""
+        self._dead = reason
+        self.shutdown()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _submit(self, prompt: list[int], params: SamplingParams, rid: str, priority: int) -> _Req:
+        if self._dead is not None or self._stopped:
+            raise EngineDeadError(self._dead or "the engine is shut down")
+        if not prompt or any(not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt_token_ids must be non-empty ids in [0, {self.vocab_size})")
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt)
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds "
+                                      f"max_model_len ({self.max_model_len})")
+        if rid in self._running or rid in self._waiting:
+            raise InvalidRequestError(f"request_id {rid!r} is already running")
+        if len(self._running) >= self.config.scheduler.max_num_seqs \
+                and len(self._waiting) >= self.config.scheduler.max_waiting:
+            raise EngineOverloadedError(f"waiting queue full ({self.config.scheduler.max_waiting} requests)")
+        req = _Req(rid, prompt, params, priority)
+        self._waiting[rid] = req
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        return req
+
+    async def _loop(self) -> None:
+        while not self._stopped:
+            await asyncio.sleep(self.step_delay_s)
+            self._step()
+
+    def _step(self) -> None:
+        max_seqs = self.config.scheduler.max_num_seqs
+        while self._waiting and len(self._running) < max_seqs:
+            rid, req = self._waiting.popitem(last=False)
+            self._running[rid] = req
+            hashes = prefix_block_hashes(req.prompt, self.config.cache.block_size)
+            self._stats.prefix_cache_queries += len(req.prompt)
+            self._stats.prefix_cache_hits += self.config.cache.block_size * sum(h in self._digest for h in hashes)
+            for h in hashes:
+                self._digest[h] = None
+                self._digest.move_to_end(h)
+        for rid, req in list(self._running.items()):
+            last = (req.output or req.prompt)[-1]
+            token = (last * 31 + 7) % self.vocab_size
+            req.output.append(token)
+            self._check_finished(req, token)
+            if req.finish_reason is not None:
+                del self._running[rid]
+                self._stats.num_finished += 1
+            req.wake.set()
+        self._stats.num_steps += 1
+        self._stats.num_generated_tokens += len(self._running)
+        self._stats.last_step_time = time.monotonic()
+
+    def _check_finished(self, req: _Req, token: int) -> None:
+        p = req.params
+        n = len(req.output)
+        if n < p.min_tokens:
+            return
+        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            req.finish_reason, req.stop_token_id = "stop", token
+        elif (p.max_tokens is not None and n >= p.max_tokens) or len(req.prompt) + n >= self.max_model_len:
+            req.finish_reason = "length"
+
+    def _drain(self, req: _Req) -> StreamOutput | None:
+        new = req.output[req.emitted:]
+        if not new and req.finish_reason is None:
+            return None
+        req.emitted = len(req.output)
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = [{t: -0.5, (t + 1) % self.vocab_size: -1.5} for t in new]
+        return StreamOutput(request_id=req.rid, new_token_ids=new, finished=req.finish_reason is not None,
+                            finish_reason=req.finish_reason, stop_token_id=req.stop_token_id, new_logprobs=logprobs,
+                            num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
+                            timing=req.timing)

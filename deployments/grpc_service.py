@@ -1,0 +1,211 @@
+"""The slotserve.v1.SlotServe gRPC service (and grpc.health.v1.Health), as ingress methods.
+
+Ray Serve's gRPC proxy calls deployment methods named after the RPCs and passes the
+request as raw bytes (see ``grpc_registration``), so a malformed message is reported
+as INVALID_ARGUMENT here instead of failing inside grpc's deserializer. Errors set the
+status code on Serve's ``grpc_context`` and raise: Serve then sends that code and
+message, also after a stream has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator, NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from deployments.errors import BadRequest, ServingError, to_serving_error
+from deployments.frontend import Frontend
+from deployments.proto_gen.grpc.health.v1 import health_pb2
+from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+from deployments.requests import ChatMessage, GenerateInput
+from deployments.textstream import TextDelta
+
+SERVICE_NAME = "slotserve.v1.SlotServe"
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "seed", "skip_special_tokens")
+_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
+           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+WATCH_PERIOD_S = 5.0
+
+
+def parse(message_class, raw: Any):
+    """Raw request bytes (or an already parsed message) -> the message."""
+    if isinstance(raw, message_class):
+        return raw
+    if not isinstance(raw, (bytes, bytearray)):
+        raise BadRequest(f"expected a {message_class.DESCRIPTOR.full_name}, got {type(raw).__name__}")
+    try:
+        return message_class.FromString(bytes(raw))
+    except DecodeError as exc:
+        raise BadRequest(f"the request is not a valid {message_class.DESCRIPTOR.full_name} message: {exc}. "
+                         "Check that the client uses slotserve.v1's proto and sends UTF-8 strings") from None
+
+
+def metadata(grpc_context, key: str) -> str | None:
+    if grpc_context is None:
+        return None
+    for k, v in grpc_context.invocation_metadata():
+        if k == key:
+            return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+    return None
+
+
+def generate_input(msg: pb.GenerateRequest, trace_context: str | None = None) -> GenerateInput:
+    s = msg.sampling
+    sampling: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
+    if s.stop:
+        sampling["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        sampling["stop_token_ids"] = list(s.stop_token_ids)
+    if s.include_stop_str_in_output:
+        sampling["include_stop_str_in_output"] = True
+    if s.ignore_eos:
+        sampling["ignore_eos"] = True
+    which = msg.WhichOneof("input")
+    return GenerateInput(
+        prompt=msg.prompt if which == "prompt" else None,
+        messages=_messages(msg.messages) if which == "messages" else None,
+        prompt_token_ids=tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+        sampling=sampling, model=msg.model or None, request_id=msg.request_id or None,
+        priority=msg.priority, timeout_s=msg.timeout_s or None, trace_context=trace_context)
+
+
+def _messages(messages: pb.Messages) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(role=m.role, content=m.content) for m in messages.messages)
+
+
+def delta_to_proto(delta: TextDelta) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids,
+                              finish_reason=_FINISH[delta.finish_reason])
+    if delta.usage is not None:
+        out.usage.prompt_tokens = delta.usage.prompt_tokens
+        out.usage.completion_tokens = delta.usage.completion_tokens
+        out.usage.cached_prompt_tokens = delta.usage.cached_prompt_tokens
+    for lp in delta.logprobs or ():
+        entry = out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, token=lp.token)
+        for token_id, logprob, token in lp.top:
+            entry.top_logprobs.add(token_id=token_id, logprob=logprob, token=token)
+    return out
+
+
+def fail(grpc_context, exc: BaseException) -> NoReturn:
+    """Set the status code and message on Serve's context, then raise (Serve sends them)."""
+    err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
+    if grpc_context is not None:
+        grpc_context.set_code(getattr(grpc.StatusCode, err.grpc_code))
+        grpc_context.set_details(err.message)
+    raise err from (None if err is exc else exc)
+
+
+class SlotServeGrpcMixin:
+    """RPC methods of the ingress; the deployment class provides ``self.frontend``."""
+
+    frontend: Frontend
+
+    async def Generate(self, request, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            msg = parse(pb.GenerateRequest, request)
+            self.frontend.authorize(metadata(grpc_context, "authorization"))
+            trace = grpc_context.traceparent() if grpc_context is not None else None
+            prepared = await self.frontend.prepare(generate_input(msg, trace))
+            async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
+                async for delta in deltas:
+                    yield delta_to_proto(delta)
+        except Exception as exc:
+            fail(grpc_context, exc)
+
+    async def Abort(self, request, grpc_context=None) -> pb.AbortResponse:
+        try:
+            msg = parse(pb.AbortRequest, request)
+            self.frontend.authorize(metadata(grpc_context, "authorization"))
+            if not msg.request_id:
+                raise BadRequest("request_id is required", param="request_id")
+            return pb.AbortResponse(found=self.frontend.abort(msg.request_id))
+        except Exception as exc:
+            fail(grpc_context, exc)
+
+    async def Tokenize(self, request, grpc_context=None) -> pb.TokenizeResponse:
+        try:
+            msg = parse(pb.TokenizeRequest, request)
+            self.frontend.authorize(metadata(grpc_context, "authorization"))
+            self.frontend.check_model(msg.model or None)
+            which = msg.WhichOneof("input")
+            if which == "text":
+                ids = self.frontend.tokenize_text(msg.text, "text")
+            elif which == "messages":
+                ids = self.frontend.tokenize_messages(_messages(msg.messages))
+            else:
+                raise BadRequest("give text or messages to tokenize", param="text")
+            info = await self.frontend.engine_info()
+            return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=info["max_model_len"])
+        except Exception as exc:
+            fail(grpc_context, exc)
+
+    async def GetModelInfo(self, request, grpc_context=None) -> pb.ModelInfo:
+        try:
+            parse(pb.GetModelInfoRequest, request)
+            self.frontend.authorize(metadata(grpc_context, "authorization"))
+            return pb.ModelInfo(**await self.frontend.model_info())
+        except Exception as exc:
+            fail(grpc_context, exc)
+
+    async def GetLoad(self, request, grpc_context=None) -> pb.LoadReport:
+        try:
+            parse(pb.GetLoadRequest, request)
+            self.frontend.authorize(metadata(grpc_context, "authorization"))
+            return load_to_proto(await self.frontend.load())
+        except Exception as exc:
+            fail(grpc_context, exc)
+
+    # -- grpc.health.v1.Health (Kubernetes' gRPC probe) ---------------------------------
+
+    async def _health_status(self, service: str) -> int:
+        """"" = the serving path (proxy -> ingress) is up; slotserve.v1.SlotServe = an engine is ready."""
+        if service == "":
+            return _SERVING
+        if service != SERVICE_NAME:
+            raise ServingHealthUnknown(f"unknown service {service!r}; ask for '' or {SERVICE_NAME!r}")
+        try:
+            await self.frontend.check_ready()
+        except ServingError:
+            return _NOT_SERVING
+        return _SERVING
+
+    async def Check(self, request, grpc_context=None) -> health_pb2.HealthCheckResponse:
+        try:
+            msg = parse(health_pb2.HealthCheckRequest, request)
+            return health_pb2.HealthCheckResponse(status=await self._health_status(msg.service))
+        except Exception as exc:
+            fail(grpc_context, exc)
+
+    async def Watch(self, request, grpc_context=None) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        try:
+            msg = parse(health_pb2.HealthCheckRequest, request)
+            last = None
+            while True:
+                try:
+                    status = await self._health_status(msg.service)
+                except ServingHealthUnknown:
+                    status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                if status != last:
+                    yield health_pb2.HealthCheckResponse(status=status)
+                    last = status
+                await asyncio.sleep(WATCH_PERIOD_S)
+        except Exception as exc:
+            fail(grpc_context, exc)
+
+
+class ServingHealthUnknown(ServingError):
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+
+
+def load_to_proto(load: dict) -> pb.LoadReport:
+    fields = {f.name for f in pb.ReplicaLoad.DESCRIPTOR.fields}
+    replicas = [pb.ReplicaLoad(**{k: v for k, v in r.items() if k in fields}) for r in load["replicas"]]
+    return pb.LoadReport(replicas=replicas, **{k: v for k, v in load.items() if k != "replicas"})

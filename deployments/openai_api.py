@@ -1,0 +1,166 @@
+"""The OpenAI-compatible HTTP API (FastAPI), served by the ingress.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with
+``stream: true``), GET /v1/models, GET /v1/models/{id}, plus GET /health (an engine is
+ready) and GET /load (per-replica load). Errors use OpenAI's body
+``{"error": {"message", "type", "param", "code"}}`` and status codes: 400 bad request,
+401 bad API key, 404 unknown model, 413 body too large, 429 engine queue full,
+503 no healthy engine, 504 server-side deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
+from deployments.frontend import Frontend
+from deployments.openai_protocol import ParsedBody, ResponseBuilder, parse_chat_body, parse_completion_body
+from deployments.requests import check_request_id
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
+    headers = {"retry-after": "1"} if err.http_status in (429, 503) else None
+    return JSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _read_json(request: Request, max_body_bytes: int):
+    raw = await request.body()
+    if len(raw) > max_body_bytes:
+        raise PayloadTooLarge(f"the request body has {len(raw)} bytes; the limit is {max_body_bytes}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start}); send UTF-8 JSON") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+class OpenAIRoutes:
+    """The route handlers, over one Frontend."""
+
+    def __init__(self, frontend: Frontend, max_body_bytes: int) -> None:
+        self.frontend = frontend
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    def _model_card(self) -> dict:
+        info = self.frontend.known_engine_info or {}
+        card = {"id": self.frontend.config.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "slotserve", "root": self.frontend.config.model}
+        if "max_model_len" in info:
+            card["max_model_len"] = info["max_model_len"]
+        return card
+
+    async def list_models(self, request: Request) -> Response:
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+        except Exception as exc:
+            return error_response(exc)
+
+    async def get_model(self, model_id: str, request: Request) -> Response:
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+            if model_id != self.frontend.config.served_model_name:
+                raise ModelNotFound(f"model {model_id!r} is not served here; this server serves "
+                                    f"{self.frontend.config.served_model_name!r}", param="model")
+            return JSONResponse(self._model_card())
+        except Exception as exc:
+            return error_response(exc)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def health(self) -> Response:
+        try:
+            await self.frontend.check_ready()
+            return JSONResponse({"status": "ok"})
+        except Exception as exc:
+            return error_response(exc)
+
+    async def load(self, request: Request) -> Response:
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+            return JSONResponse(await self.frontend.load())
+        except Exception as exc:
+            return error_response(exc)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+            body = await _read_json(request, self.max_body_bytes)
+            request_id = check_request_id(request.headers.get("x-request-id"))
+            parsed = (parse_chat_body if chat else parse_completion_body)(body, request_id)
+            inp = dataclasses.replace(parsed.input, trace_context=request.headers.get("traceparent"))
+            prepared = await self.frontend.prepare(inp)
+            builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name)
+            if parsed.stream:
+                return await self._stream(prepared, parsed, builder)
+            _, deltas = await self.frontend.generate_all(prepared)
+            return JSONResponse(builder.whole(deltas))
+        except Exception as exc:
+            return error_response(exc)
+
+    async def _stream(self, prepared, parsed: ParsedBody, builder: ResponseBuilder) -> Response:
+        deltas = self.frontend.stream(prepared)
+        try:
+            # Wait for the first delta so that a rejection (overload, bad request found by
+            # the engine) is still an HTTP status, not an error event inside a 200 stream.
+            first = await deltas.__anext__()
+        except BaseException:
+            await deltas.aclose()
+            raise
+        return StreamingResponse(_events(first, deltas, parsed, builder), media_type="text/event-stream",
+                                 headers={"x-request-id": prepared.request_id, "cache-control": "no-cache"})
+
+
+async def _events(first, deltas: AsyncIterator, parsed: ParsedBody, builder: ResponseBuilder):
+    try:
+        opening = builder.first_chunk()
+        if opening is not None:
+            yield _sse(opening)
+        delta = first
+        while True:
+            yield _sse(builder.chunk(delta, parsed.include_usage))
+            if delta.finish_reason is not None:
+                break
+            delta = await deltas.__anext__()
+        if parsed.include_usage:
+            yield _sse(builder.usage_chunk(delta.usage))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # the status line is gone: report in-band, as OpenAI does
+        err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
+        yield _sse(err.openai_body())
+    finally:
+        await deltas.aclose()
+
+
+def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="slotserve", description="OpenAI-compatible API of slotserve", docs_url="/docs",
+                  redoc_url=None)
+    routes = OpenAIRoutes(frontend, max_body_bytes)
+    app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/load", routes.load, methods=["GET"])
+    return app

@@ -1,0 +1,163 @@
+"""EngineReplica: one AsyncEngine per Serve replica (one per GPU, or CPUs on a laptop).
+
+The class is plain Python (Serve wraps it in ``app.build_app``), so it is tested
+in-process with ``fake_engine.FakeAsyncEngine``. What Serve calls on it:
+
+- ``generate(request)``: an async generator, one small dict per engine message (the
+  engine coalesces: all tokens since the previous message), never one per token.
+  Cancellation (the caller went away) or closing it aborts the engine request.
+- ``record_routing_stats()``: the routing contract read by ``router/`` (see below).
+- ``record_autoscaling_stats()``: ``slot_occupancy``, ``waiting`` and ``max_num_seqs`` for
+  the autoscaler (router.autoscale).
+- ``check_health()``: raises when the engine loop is dead or stuck; Serve replaces us.
+- ``__del__`` (ServeEngineReplica): stop taking requests, drain running ones for up to
+  ``drain_timeout_s``, then shut the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from engine.errors import EngineDeadError
+from engine.outputs import StreamOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENGINE_CLASS = "engine.async_engine:AsyncEngine"
+PREFIX_DIGEST_ENTRIES = 4096
+_local_ids = itertools.count()
+
+
+def import_engine_class(spec: str | type) -> type:
+    """``"package.module:Class"`` (or the class itself) -> the class."""
+    if isinstance(spec, type):
+        return spec
+    module, sep, name = str(spec).partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"engine_class must look like 'package.module:Class', got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def stream_message(out: StreamOutput) -> dict:
+    """The wire form of one engine message: small, plain, token ids only."""
+    return {"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
+            "logprobs": out.new_logprobs, "num_prompt_tokens": out.num_prompt_tokens,
+            "num_output_tokens": out.num_output_tokens, "num_cached_tokens": out.num_cached_tokens}
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica (tests, local use)
+        return f"local-{next(_local_ids)}"
+
+
+class EngineReplica:
+    def __init__(self, model: str, engine_options: dict[str, Any] | None = None,
+                 engine_class: str | type = DEFAULT_ENGINE_CLASS, drain_timeout_s: float = 30.0) -> None:
+        if not isinstance(drain_timeout_s, (int, float)) or drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be a non-negative number, got {drain_timeout_s!r}")
+        self._model = model
+        self._engine = import_engine_class(engine_class).from_options(model, **(engine_options or {}))
+        self._drain_timeout_s = float(drain_timeout_s)
+        self._accepting = True
+        self._active: set[str] = set()
+        self.replica_id = _replica_id()
+        self._shutdown_done = False
+
+    @property
+    def engine(self):
+        return self._engine
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        """Stream one request (``PreparedRequest.engine_request()``) through the engine."""
+        if not self._accepting:
+            raise EngineDeadError("this replica is shutting down and takes no new requests")
+        rid = request["request_id"]
+        stream = self._engine.generate(request["prompt_token_ids"], request["params"], request_id=rid,
+                                       priority=request.get("priority", 0))
+        self._active.add(rid)
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                yield stream_message(out)
+                if finished:
+                    break
+        finally:
+            self._active.discard(rid)
+            if not finished:  # cancelled or closed early: free the slot before the next step
+                self._engine.abort(rid)
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def abort(self, request_id: str) -> None:
+        """The request's stream then ends with finish_reason "abort"."""
+        self._engine.abort(request_id)
+
+    def model_info(self) -> dict:
+        config = self._engine.config
+        return {"model": self._model, "model_path": str(self._engine.model_path),
+                "max_model_len": self._engine.max_model_len, "vocab_size": self._engine.vocab_size,
+                "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
+                "replica_id": self.replica_id}
+
+    def _healthy(self) -> bool:
+        try:
+            self._engine.check_health()
+        except Exception:
+            return False
+        return self._accepting
+
+    def record_routing_stats(self) -> dict:
+        """The routing contract (keys the router relies on), plus a few for GetLoad."""
+        s = self._engine.stats()
+        return {"free_slots": s.free_slots, "running": s.running, "waiting": s.waiting,
+                "max_num_seqs": s.max_num_seqs, "kv_blocks_used": s.kv_blocks_used,
+                "kv_blocks_total": s.kv_blocks_total, "block_size": s.block_size,
+                "prefix_hashes": list(self._engine.prefix_digest(PREFIX_DIGEST_ENTRIES)),
+                "healthy": self._healthy(), "updated_at": time.time(),
+                # not read by the router; reported by GetLoad
+                "replica_id": self.replica_id, "kv_usage": s.kv_usage, "slot_occupancy": s.slot_occupancy,
+                "num_finished": s.num_finished, "prefix_cache_hits": s.prefix_cache_hits,
+                "prefix_cache_queries": s.prefix_cache_queries}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        # Every value must be a number: anything else silently disables custom metrics.
+        s = self._engine.stats()
+        return {"slot_occupancy": float(s.slot_occupancy), "waiting": float(s.waiting),
+                "max_num_seqs": float(s.max_num_seqs)}
+
+    def check_health(self) -> None:
+        self._engine.check_health()
+
+    def stats(self) -> dict:
+        return {**self._engine.stats().as_dict(), "replica_id": self.replica_id, "healthy": self._healthy()}
+
+    async def shutdown(self) -> None:
+        """Stop taking requests, let running ones finish (up to drain_timeout_s), stop the engine."""
+        if self._shutdown_done:
+            return
+        self._shutdown_done = True
+        self._accepting = False
+        deadline = time.monotonic() + self._drain_timeout_s
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._active:
+            logger.warning("drain timeout (%.1f s): aborting %d running requests", self._drain_timeout_s,
+                           len(self._active))
+        self._engine.shutdown()
+
+
+class ServeEngineReplica(EngineReplica):
+    """What Serve deploys: Serve awaits an async ``__del__`` on graceful shutdown."""
+
+    async def __del__(self) -> None:
+        await self.shutdown()

@@ -1,0 +1,115 @@
+"""Engine messages (token ids) to text deltas: incremental detokenization and stop strings.
+
+Text work lives here, in the ingress, so engine replicas never spend time on it.
+Tokens are pushed one at a time so that a stop string ends the output at the exact
+token that completed it: the reported token ids and usage then match the text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    token: str
+    top: tuple[tuple[int, float, str], ...] = ()
+    """Alternatives as (token_id, logprob, text), most likely first (the sampled token included)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """What one engine step adds to one request's output."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None
+    """None while running; "stop", "length" or "abort" on the last delta."""
+    usage: Usage | None = None
+    """Set on the last delta."""
+
+
+class TextAssembler:
+    """Turns one request's engine messages into text deltas."""
+
+    def __init__(self, tokenizer, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
+        self._tokenizer = tokenizer
+        self._request_id = request_id
+        self._want_logprobs = params.logprobs is not None
+        self._num_top = params.logprobs or 0
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self._stop = (StopStringMatcher(list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
+                      if params.stop else None)
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_output_tokens = 0
+        self._num_cached_tokens = 0
+        self.finished = False
+
+    def push(self, message: dict) -> TextDelta:
+        """One engine message (see ``replica.stream_message``) in, one text delta out."""
+        pieces: list[str] = []
+        ids: list[int] = []
+        stopped = False
+        for token_id in message["token_ids"]:
+            ids.append(token_id)
+            stopped = self._add(self._detok.push([token_id]), pieces)
+            if stopped:
+                break
+        finish = "stop" if stopped else message.get("finish_reason")
+        if finish and not stopped:
+            # The end: whatever the detokenizer held back (an unfinished character), then
+            # what the stop matcher held back (it never became a stop string).
+            stopped = self._add(self._detok.flush(), pieces)
+            if not stopped and self._stop is not None:
+                pieces.append(self._stop.flush())
+        self._num_output_tokens += len(ids)
+        self._num_cached_tokens = message.get("num_cached_tokens", self._num_cached_tokens)
+        logprobs = None
+        if self._want_logprobs:
+            logprobs = tuple(self._logprob(t, lp) for t, lp in zip(ids, message.get("logprobs") or []))
+        usage = None
+        if finish:
+            self.finished = True
+            usage = Usage(self._num_prompt_tokens, self._num_output_tokens, self._num_cached_tokens)
+        return TextDelta(self._request_id, "".join(pieces), tuple(ids), logprobs, finish, usage)
+
+    def _add(self, text: str, pieces: list[str]) -> bool:
+        """Append text (through the stop matcher); True when a stop string matched."""
+        stopped = False
+        if self._stop is not None and text:
+            text, stopped = self._stop.push(text)
+        pieces.append(text)
+        return stopped
+
+    def abort(self) -> TextDelta:
+        """The last delta of a request that ended without the engine saying so."""
+        self.finished = True
+        pieces: list[str] = []
+        if not self._add(self._detok.flush(), pieces) and self._stop is not None:
+            pieces.append(self._stop.flush())
+        usage = Usage(self._num_prompt_tokens, self._num_output_tokens, self._num_cached_tokens)
+        return TextDelta(self._request_id, "".join(pieces), (), () if self._want_logprobs else None, "abort", usage)
+
+    def _logprob(self, token_id: int, alternatives: dict) -> TokenLogprob:
+        ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self._num_top]
+        top = tuple((int(t), float(lp), self._tokenizer.decode([int(t)])) for t, lp in ranked)
+        own = alternatives.get(token_id, float("nan"))
+        return TokenLogprob(int(token_id), float(own), self._tokenizer.decode([int(token_id)]), top)

@@ -1,0 +1,267 @@
+"""End to end on a local Ray: one Serve app (ingress + 2 replicas of the real engine on a
+tiny random Llama), reached over gRPC (Serve's proxy) and the OpenAI HTTP API.
+
+One module-scoped cluster and app serve every test here; tests leave it idle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import time
+
+import grpc
+import pytest
+
+from deployments.grpc_registration import SERVICER_FUNCTIONS
+from deployments.proto_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
+from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_waiting": 4, "block_size": 16,
+          "num_kv_blocks": 256, "max_model_len": 512}
+PROMPTS = ["hello world", "the quick brown fox jumps"]
+MAX_TOKENS = 24
+MAX_PROMPT_TOKENS = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, http_port: int, grpc_port: int) -> None:
+        self.http_port, self.grpc_port = http_port, grpc_port
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        self.stub = slotserve_pb2_grpc.SlotServeStub(self.channel)
+        self.base_url = f"http://127.0.0.1:{http_port}/v1"
+
+    def generate(self, timeout=60, **fields) -> list[pb.GenerateResponse]:
+        return list(self.stub.Generate(pb.GenerateRequest(**fields), timeout=timeout))
+
+    def replicas(self) -> list[pb.ReplicaLoad]:
+        return list(self.stub.GetLoad(pb.GetLoadRequest(), timeout=10).replicas)
+
+    def wait_idle(self, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(r.running == 0 and r.waiting == 0 for r in self.replicas()):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"engines still busy: {self.replicas()}")
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dir):
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from deployments.app import build_app
+
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        http_port, grpc_port = _free_port(), _free_port()
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
+        app = build_app({"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE,
+                         "num_replicas": 2, "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
+                         "routing": "slot_aware", "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2})
+        serve.run(app, name="slotserve", route_prefix="/")
+        svc = Service(http_port, grpc_port)
+        yield svc
+        svc.channel.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    """Greedy outputs of the offline LLM API: what the service must reproduce."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    llm = LLM(str(tiny_model_dir), **{**ENGINE, "max_waiting": 16})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    chat_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
+    outs = llm.generate(PROMPTS + [{"prompt_token_ids": chat_ids}], params)
+    return [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
+
+
+def test_grpc_stream_matches_offline_llm(service, offline):
+    for prompt, (text, ids) in zip(PROMPTS, offline):
+        out = service.generate(prompt=prompt, sampling=pb.SamplingOptions(temperature=0, max_tokens=MAX_TOKENS))
+        assert "".join(m.text for m in out) == text
+        assert [t for m in out for t in m.token_ids] == ids
+        assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH and out[-1].usage.completion_tokens == MAX_TOKENS
+        assert len(out) > 1 and all(m.request_id == out[0].request_id for m in out)
+
+
+def test_openai_client_matches_offline_llm(service, offline):
+    client = service.openai()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    text = offline[1][0]
+    done = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert done.choices[0].text == text and done.usage.completion_tokens == MAX_TOKENS
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream) == text
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.choices[0].message.content == offline[2][0]
+    chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline[2][0]
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_load_spreads_and_prefers_the_cached_prefix(service):
+    before = {r.replica_id: r.num_finished for r in service.replicas()}
+    assert len(before) == 2
+
+    def one(i):
+        return service.generate(prompt_token_ids=pb.TokenIds(ids=[5 + i, 7, 9, 11]),
+                                sampling=pb.SamplingOptions(temperature=0, max_tokens=48, ignore_eos=True))
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert all(out[-1].finish_reason == pb.FINISH_REASON_LENGTH for out in pool.map(one, range(6)))
+    after = {r.replica_id: r.num_finished for r in service.replicas()}
+    assert all(after[rid] > before[rid] for rid in before), (before, after)
+
+    # A 96-token prefix (6 blocks) lands on one replica; later requests sharing it follow it.
+    prefix = [(i * 37 + 11) % 300 + 3 for i in range(96)]
+    service.generate(prompt_token_ids=pb.TokenIds(ids=prefix + [1]), sampling=pb.SamplingOptions(max_tokens=2))
+    time.sleep(1.5)  # the digest reaches the routers with the next routing-stats polls
+    hits = {r.replica_id: r.prefix_cache_hits for r in service.replicas()}
+    for i in range(4):
+        service.generate(prompt_token_ids=pb.TokenIds(ids=prefix + [20 + i, 4]),
+                         sampling=pb.SamplingOptions(max_tokens=2))
+    gained = {r.replica_id: r.prefix_cache_hits - hits[r.replica_id] for r in service.replicas()}
+    assert sorted(gained.values()) == [0, 4 * 96], gained
+
+
+def test_cancelled_stream_and_deadlines_free_the_slot(service):
+    call = service.stub.Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingOptions(
+        max_tokens=400, ignore_eos=True)), timeout=60)
+    next(call)
+    assert sum(r.running for r in service.replicas()) == 1
+    call.cancel()
+    service.wait_idle()
+    with pytest.raises(grpc.RpcError) as info:  # the client's deadline
+        service.generate(timeout=0.3, prompt="hello", sampling=pb.SamplingOptions(max_tokens=400, ignore_eos=True))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    service.wait_idle()
+    with pytest.raises(grpc.RpcError) as info:  # the server-side one
+        service.generate(timeout_s=0.3, prompt="hello", sampling=pb.SamplingOptions(max_tokens=400, ignore_eos=True))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline of 0.3 s" in info.value.details()
+    service.wait_idle()
+
+
+BAD_INPUTS = [  # (name, gRPC request or raw bytes, HTTP completions body, gRPC code, HTTP status, message)
+    ("malformed protobuf", b"\xff\xff\xff", None, "INVALID_ARGUMENT", None, "not a valid"),
+    ("non-UTF-8 text", b"\x1a\x02\xff\xfe", b'{"model": "tiny", "prompt": "\xff\xfe"}', "INVALID_ARGUMENT", 400,
+     "UTF-8"),
+    ("unknown model", {"prompt": "hi", "model": "gpt-4"}, {"prompt": "hi", "model": "gpt-4"}, "NOT_FOUND", 404,
+     "not served"),
+    ("empty prompt", {"prompt": ""}, {"prompt": ""}, "INVALID_ARGUMENT", 400, "empty"),
+    ("oversized prompt", {"prompt": "hello " * 400}, {"prompt": "hello " * 400}, "INVALID_ARGUMENT", 400,
+     f"limit is {MAX_PROMPT_TOKENS}"),
+    ("bad temperature", {"prompt": "hi", "sampling": {"temperature": -1}}, {"prompt": "hi", "temperature": -1},
+     "INVALID_ARGUMENT", 400, "temperature"),
+    ("negative max_tokens", {"prompt": "hi", "sampling": {"max_tokens": -4}}, {"prompt": "hi", "max_tokens": -4},
+     "INVALID_ARGUMENT", 400, "max_tokens"),
+    ("huge max_tokens", {"prompt": "hi", "sampling": {"max_tokens": 10**9}}, {"prompt": "hi", "max_tokens": 10**9},
+     "INVALID_ARGUMENT", 400, "max_tokens"),
+    ("too many stop strings", {"prompt": "hi", "sampling": {"stop": ["x"] * 40}}, {"prompt": "hi", "stop": ["x"] * 40},
+     "INVALID_ARGUMENT", 400, "stop"),
+    ("token id out of range", {"prompt_token_ids": {"ids": [10**6]}}, {"prompt": [10**6]}, "INVALID_ARGUMENT", 400,
+     "prompt_token_ids"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_a_clear_error_on_both_protocols(service, case):
+    import httpx2
+    from google.protobuf.json_format import ParseDict
+
+    name, grpc_request, http_body, code, status, needle = case
+    if isinstance(grpc_request, bytes):
+        raw_call = service.channel.unary_stream("/slotserve.v1.SlotServe/Generate", request_serializer=None,
+                                                response_deserializer=pb.GenerateResponse.FromString)
+        call = raw_call(grpc_request, timeout=30)
+    else:
+        call = service.stub.Generate(ParseDict(grpc_request, pb.GenerateRequest()), timeout=30)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == getattr(grpc.StatusCode, code) and needle in info.value.details()
+    if http_body is not None:
+        content = http_body if isinstance(http_body, bytes) else None
+        json_body = None if content else {"model": "tiny", "max_tokens": 4, **http_body}
+        r = httpx2.post(f"{service.base_url}/completions", content=content, json=json_body, timeout=30,
+                        headers={"content-type": "application/json"})
+        assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+def test_overload_is_refused_and_the_service_keeps_serving(service):
+    import openai
+
+    def grpc_one(i):
+        try:
+            service.generate(prompt=f"load {i}", sampling=pb.SamplingOptions(max_tokens=80, ignore_eos=True))
+            return "ok"
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+    def http_one(i):
+        try:
+            service.openai().completions.create(model="tiny", prompt=f"load {i}", max_tokens=80,
+                                                extra_body={"ignore_eos": True})
+            return "ok"
+        except openai.RateLimitError:
+            return "429"
+
+    # 2 replicas x (4 slots + 4 waiting) = 16 places for 32 requests at once
+    for one, refused in ((grpc_one, "RESOURCE_EXHAUSTED"), (http_one, "429")):
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(one, range(32)))
+        assert refused in results and "ok" in results and set(results) == {refused, "ok"}, results
+        service.wait_idle()
+    assert service.generate(prompt="still here", sampling=pb.SamplingOptions(max_tokens=4))[-1].usage
+
+
+def test_health_info_tokenize_and_cli(service, offline, capsys):
+    health = health_pb2_grpc.HealthStub(service.channel)
+    for name in ("", "slotserve.v1.SlotServe"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    info = service.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert (info.served_model_name, info.max_model_len, info.max_prompt_tokens) == ("tiny", 512, MAX_PROMPT_TOKENS)
+    tok = service.stub.Tokenize(pb.TokenizeRequest(text=PROMPTS[0]), timeout=10)
+    assert tok.count == len(tok.token_ids) > 0
+    load = service.stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+    assert len(load.replicas) == 2 and load.total_slots == 8 and all(r.healthy for r in load.replicas)
+
+    from deployments.cli import main
+
+    assert main(["generate", "--target", f"127.0.0.1:{service.grpc_port}", "--max-tokens", str(MAX_TOKENS),
+                 PROMPTS[0]]) == 0
+    out = capsys.readouterr()
+    assert out.out.rstrip("\n") == offline[0][0].rstrip("\n") and "24 completion tokens" in out.err

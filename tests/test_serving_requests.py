@@ -1,0 +1,282 @@
+"""Serving input handling without Ray: validation, OpenAI bodies, proto mapping, errors, configs."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.app_config import AppConfig
+from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
+                                Unavailable, to_serving_error)
+from deployments.grpc_service import delta_to_proto, generate_input, parse
+from deployments.openai_protocol import parse_chat_body, parse_completion_body
+from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+from deployments.requests import (GenerateInput, PreparedRequest, build_sampling_params, check_request_id,
+                                  check_text, check_timeout, check_token_ids, parse_messages)
+from deployments.textstream import TextDelta, TokenLogprob, Usage
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _params(fields, prompt_len=4, max_model_len=64, default=16):
+    return build_sampling_params(fields, num_prompt_tokens=prompt_len, max_model_len=max_model_len,
+                                 default_max_tokens=default)
+
+
+# -- sampling and prompt validation ------------------------------------------------------
+
+def test_sampling_defaults_and_vllm_extras():
+    p = _params({"temperature": 0, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "seed": 7,
+                 "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [3], "stop": "END"})
+    assert (p.temperature, p.top_k, p.min_p, p.seed, p.ignore_eos, p.min_tokens) == (0, 5, 0.1, 7, True, 2)
+    assert p.stop == ("END",) and p.stop_token_ids == (3,) and p.max_tokens == 16
+    # the default max_tokens never runs past the context
+    assert _params({}, prompt_len=60, max_model_len=64).max_tokens == 4
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**9}, "at most 60 tokens"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": 5}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"seed": -1}, "seed"),
+    ({"logprobs": 99}, "logprobs"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"bogus": 1}, "unknown sampling field"),
+])
+def test_bad_sampling_values_name_the_field(fields, needle):
+    with pytest.raises(BadRequest, match=needle):
+        _params(fields)
+
+
+def test_prompt_that_fills_the_context_is_rejected():
+    with pytest.raises(BadRequest, match="no room"):
+        _params({}, prompt_len=64, max_model_len=64)
+
+
+def test_text_checks():
+    assert check_text("prompt", "héllo", 10) == "héllo"
+    with pytest.raises(BadRequest, match="empty"):
+        check_text("prompt", "", 10)
+    with pytest.raises(BadRequest, match="limit is 3"):
+        check_text("prompt", "abcd", 3)
+    with pytest.raises(BadRequest, match="UTF-8"):
+        check_text("prompt", "bad \ud800 surrogate", 100)
+    with pytest.raises(BadRequest, match="string"):
+        check_text("prompt", 42, 100)
+
+
+def test_messages_and_token_ids():
+    msgs = parse_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                          100)
+    assert msgs[0].content == "ab"
+    for bad, needle in [([], "non-empty"), ([{"role": "wizard", "content": "x"}], "role"),
+                        ([{"role": "user", "content": [{"type": "image_url"}]}], "text")]:
+        with pytest.raises(BadRequest, match=needle):
+            parse_messages(bad, 100)
+    assert check_token_ids("ids", [1, 2], 10) == (1, 2)
+    for bad in ([], [1, -1], [1, 10], [True], ["1"]):
+        with pytest.raises(BadRequest, match="ids"):
+            check_token_ids("ids", bad, 10)
+
+
+def test_request_id_and_timeout():
+    assert len(check_request_id(None)) == 32 and check_request_id("abc") == "abc"
+    for bad in ("x" * 200, "bad\nid", 5):
+        with pytest.raises(BadRequest, match="request_id"):
+            check_request_id(bad)
+    assert check_timeout(None, 30.0) == 30.0 and check_timeout(5, 30.0) == 5 and check_timeout(60, 30.0) == 30.0
+    with pytest.raises(BadRequest, match="timeout_s"):
+        check_timeout(-1, None)
+
+
+def test_engine_request_carries_token_ids_only():
+    params = SamplingParams(stop=["END"], include_stop_str_in_output=True, max_tokens=5)
+    req = PreparedRequest("r1", (1, 2, 3), params, priority=2, trace_context="00-ab-cd-01").engine_request()
+    assert req["prompt_token_ids"] == [1, 2, 3] and req["priority"] == 2 and req["trace_context"] == "00-ab-cd-01"
+    assert req["params"].stop == () and req["params"].max_tokens == 5
+
+
+# -- OpenAI bodies -----------------------------------------------------------------------
+
+def test_completion_body():
+    parsed = parse_completion_body({"model": "m", "prompt": "hi", "max_tokens": 5, "top_k": 3, "priority": 1,
+                                    "stream": True, "stream_options": {"include_usage": True}, "user": "u"})
+    assert parsed.stream and parsed.include_usage
+    assert parsed.input.prompt == "hi" and parsed.input.priority == 1
+    assert parsed.input.sampling == {"max_tokens": 5, "top_k": 3}
+    assert parse_completion_body({"model": "m", "prompt": [[1, 2]]}).input.prompt_token_ids == (1, 2)
+    assert parse_completion_body({"model": "m", "prompt": ["one"]}).input.prompt == "one"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ([1, 2], "JSON object"),
+    ({"prompt": "x"}, "model is required"),
+    ({"model": "m"}, "prompt is required"),
+    ({"model": "m", "prompt": ["a", "b"]}, "one prompt per request"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n=2"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "frobnicate": 1}, "unknown field"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_bad_completion_bodies(body, needle):
+    with pytest.raises(BadRequest, match=needle):
+        parse_completion_body(body)
+
+
+def test_chat_body():
+    parsed = parse_chat_body({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 2, "seed": 1})
+    assert parsed.input.sampling == {"max_tokens": 7, "logprobs": 2, "seed": 1}
+    assert parsed.input.default_max_tokens is None  # chat uses the server's default
+    for body, needle in [({"model": "m"}, "messages is required"),
+                         ({"model": "m", "messages": [], "tools": [{"type": "function"}]}, "tool"),
+                         ({"model": "m", "messages": [], "response_format": {"type": "json_object"}}, "response_format"),
+                         ({"model": "m", "messages": [], "top_logprobs": 2}, "logprobs=true")]:
+        with pytest.raises(BadRequest, match=needle):
+            parse_chat_body(body)
+
+
+# -- gRPC messages -----------------------------------------------------------------------
+
+def test_proto_to_generate_input():
+    msg = pb.GenerateRequest(request_id="r", prompt="hello", priority=3, timeout_s=2.5,
+                             sampling=pb.SamplingOptions(temperature=0.0, max_tokens=9, stop=["\n"], seed=4,
+                                                         skip_special_tokens=False, ignore_eos=True))
+    inp = generate_input(parse(pb.GenerateRequest, msg.SerializeToString()), trace_context="tp")
+    assert (inp.prompt, inp.request_id, inp.priority, inp.timeout_s, inp.trace_context) == ("hello", "r", 3, 2.5, "tp")
+    # only fields that were set travel: temperature 0 (greedy) is kept, top_p (unset) is not
+    assert inp.sampling == {"temperature": 0.0, "max_tokens": 9, "seed": 4, "skip_special_tokens": False,
+                            "stop": ["\n"], "ignore_eos": True}
+    chat = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="x")]))
+    assert generate_input(chat).messages[0].content == "x"
+    ids = generate_input(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, -1])))
+    assert ids.prompt_token_ids == (5, -1)  # int64 on the wire: the negative id is rejected by name later
+
+
+def test_malformed_protobuf_is_invalid_argument():
+    for raw in (b"\x1a\x02\xff\xfe", b"\xff\xff\xff"):  # a non-UTF-8 prompt; garbage
+        with pytest.raises(BadRequest, match="not a valid slotserve.v1.GenerateRequest"):
+            parse(pb.GenerateRequest, raw)
+
+
+def test_delta_to_proto():
+    delta = TextDelta("r", "hi", (4, 5), (TokenLogprob(4, -0.1, "h", ((4, -0.1, "h"), (9, -2.0, "x"))),),
+                      "length", Usage(3, 2, 1))
+    out = delta_to_proto(delta)
+    assert out.finish_reason == pb.FINISH_REASON_LENGTH and list(out.token_ids) == [4, 5]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_prompt_tokens) == (3, 2, 1)
+    assert out.logprobs[0].top_logprobs[1].token_id == 9
+
+
+# -- error mapping -----------------------------------------------------------------------
+
+class RayTaskError(Exception):
+    """Shaped like ray.exceptions.RayTaskError: the remote exception is in .cause."""
+
+    def __init__(self, cause):
+        super().__init__(f"Traceback (most recent call last): ... {cause!r}")
+        self.cause = cause
+
+
+class BackPressureError(Exception):
+    pass
+
+
+class ActorDiedError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("exc, kind, code, status", [
+    (InvalidRequestError("prompt too long"), BadRequest, "INVALID_ARGUMENT", 400),
+    (RayTaskError(InvalidRequestError("prompt too long")), BadRequest, "INVALID_ARGUMENT", 400),
+    (RayTaskError(EngineOverloadedError("queue full")), Overloaded, "RESOURCE_EXHAUSTED", 429),
+    (BackPressureError("too many"), Overloaded, "RESOURCE_EXHAUSTED", 429),
+    (RayTaskError(EngineDeadError("loop died")), Unavailable, "UNAVAILABLE", 503),
+    (ActorDiedError("gone"), Unavailable, "UNAVAILABLE", 503),
+    (asyncio.TimeoutError(), DeadlineExceeded, "DEADLINE_EXCEEDED", 504),
+    (asyncio.CancelledError(), Cancelled, "CANCELLED", 499),
+    (ModelNotFound("nope"), ModelNotFound, "NOT_FOUND", 404),
+    (KeyError("x"), ServingError, "INTERNAL", 500),
+])
+def test_error_mapping(exc, kind, code, status):
+    err = to_serving_error(exc)
+    assert type(err) is kind and err.grpc_code == code and err.http_status == status
+    assert "Traceback" not in err.message
+    body = err.openai_body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+
+
+# -- configs -------------------------------------------------------------------------------
+
+def test_app_config_rejects_bad_fields_by_name():
+    cases = [({"bogus": 1}, "unknown key.*bogus"), ({"routing": "random"}, "routing"),
+             ({"engine": {"max_num_seqs": 0}}, "engine: max_num_seqs"),
+             ({"autoscaling": {"min_replicas": 2, "max_replicas": 1}}, "autoscaling.max_replicas"),
+             ({"autoscaling": {"speed": 1}}, "autoscaling.speed"),
+             ({"replica_resources": {"num_gpus": -1}}, "replica_resources.num_gpus"),
+             ({"num_replicas": 2, "autoscaling": {}}, "not both"),
+             ({"api_keys": ["short"]}, "api_keys"), ({"engine": [1]}, "engine must be a mapping")]
+    for args, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            AppConfig.from_args(args)
+    cfg = AppConfig.from_args({"model": "/models/Llama-3.1-8B-Instruct/", "engine": {"max_num_seqs": 4,
+                                                                                     "max_waiting": 10}})
+    assert cfg.model_name == "Llama-3.1-8B-Instruct" and cfg.engine_max_ongoing_requests() == 30
+    assert AppConfig.from_args(None).model_name == "smollm2-135m"
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-1x.yaml", "gpu-8b.yaml"])
+def test_config_files_are_valid_serve_configs(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.cli import load_serve_config
+    from deployments.grpc_registration import SERVICER_FUNCTIONS
+
+    config = load_serve_config(ROOT / "configs" / name)
+    ServeDeploySchema(**config)
+    assert config["grpc_options"]["grpc_servicer_functions"] == list(SERVICER_FUNCTIONS)
+    (app,) = config["applications"]
+    assert app["import_path"] == "deployments.app:build_app"
+    cfg = AppConfig.from_args(app["args"])
+    if name.startswith("gpu"):
+        assert cfg.replica_resources.num_gpus == 1
+    else:
+        assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
+        assert config["grpc_options"]["port"] == 9000 and cfg.replica_resources.num_gpus == 0
+        assert (cfg.autoscaling.min_replicas, cfg.autoscaling.max_replicas) == (1, 2)
+
+
+def test_port_overrides():
+    from deployments.cli import load_serve_config
+
+    config = load_serve_config(ROOT / "configs" / "local-cpu.yaml", http_port=8123, grpc_port=9123)
+    assert config["http_options"]["port"] == 8123 and config["grpc_options"]["port"] == 9123
+
+
+def test_generated_code_is_up_to_date(tmp_path):
+    """gen.py output matches the committed stubs (edit the .proto, then run gen.py)."""
+    import shutil
+
+    src = ROOT / "deployments"
+    shutil.copytree(src / "proto", tmp_path / "deployments" / "proto")
+    subprocess.run([sys.executable, str(tmp_path / "deployments" / "proto" / "gen.py")], check=True,
+                   capture_output=True)
+    fresh = tmp_path / "deployments" / "proto_gen"
+    committed = {p.relative_to(src / "proto_gen"): p.read_text() for p in (src / "proto_gen").rglob("*.py*")}
+    generated = {p.relative_to(fresh): p.read_text() for p in fresh.rglob("*.py*")}
+    assert generated == committed
