@@ -141,8 +141,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
-        print("shutting down...", flush=True)
+        print("shutting down (draining running requests)...", flush=True)
     finally:
+        # A second Ctrl-C (or a supervisor's repeated signal) must not cut the drain short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         serve.shutdown()
         ray.shutdown()
     return 0
