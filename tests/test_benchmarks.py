@@ -1,0 +1,218 @@
+"""The benchmark harness: workloads, metrics, targets, and one end-to-end run on a tiny model.
+
+Nothing here is timed: the end-to-end run checks that every system did exactly the work
+asked and that the JSON, table and plots come out, not how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.metrics import RequestTrace, percentiles, time_weighted_mean
+from benchmarks.report import judge_targets, ratios
+from benchmarks.systems import DEFAULT_SYSTEMS, parse_systems
+from benchmarks.workloads import Arrival, BenchRequest, Mixture, build_requests, get_workload, schedule_bound
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- workloads
+def test_mixed_workload_has_exact_shares_and_ranges():
+    spec = get_workload("mixed", num_requests=100)
+    reqs = build_requests(spec, vocab_size=512)
+    outs = [r.output_len for r in reqs]
+    assert sum(16 <= o <= 64 for o in outs) == 70
+    assert sum(128 <= o <= 512 for o in outs) == 25
+    assert sum(1024 <= o <= 2048 for o in outs) == 5
+    assert all(16 <= len(r.prompt_token_ids) <= 1024 for r in reqs)
+    assert all(4 <= t < 512 for r in reqs for t in r.prompt_token_ids)
+
+
+def test_workload_is_seeded():
+    spec = get_workload("mixed", num_requests=20)
+    a, b = build_requests(spec, 512), build_requests(spec, 512)
+    c = build_requests(get_workload("mixed", num_requests=20, seed=1), 512)
+    assert a == b
+    assert a != c
+
+
+def test_shared_prefix_and_uniform_workloads():
+    shared = build_requests(get_workload("shared-prefix", num_requests=5), 512)
+    prefix = shared[0].prompt_token_ids[:768]
+    assert all(r.prompt_token_ids[:768] == prefix for r in shared)
+    assert len({r.prompt_token_ids for r in shared}) == 5
+    uniform = build_requests(get_workload("uniform", num_requests=4), 512)
+    assert {(len(r.prompt_token_ids), r.output_len) for r in uniform} == {(256, 128)}
+
+
+def test_arrivals_burst_and_poisson():
+    burst = build_requests(get_workload("tiny"), 512)
+    assert {r.arrival_s for r in burst} == {0.0}
+    spec = get_workload("tiny", num_requests=400, arrival=Arrival.parse("poisson:20"))
+    times = [r.arrival_s for r in build_requests(spec, 512)]
+    assert times == sorted(times) and times[0] > 0
+    rate = len(times) / times[-1]
+    assert 15 < rate < 25
+
+
+def test_schedule_bound_counts_static_batches_against_the_continuous_floor():
+    reqs = [BenchRequest(f"r{i}", (5,), out, 0.0) for i, out in enumerate([10, 1, 1, 1, 6, 6])]
+    bound = schedule_bound(reqs, slots=2)
+    # Static: batches (10, 1), (1, 1), (6, 6) -> 10 + 1 + 6 steps; continuous: longest 10 vs 25 / 2 -> 13.
+    assert (bound["static_steps"], bound["continuous_steps_lower_bound"]) == (17, 13)
+    assert bound["ratio"] == pytest.approx(17 / 13)
+
+
+@pytest.mark.parametrize("text", ["poisson", "poisson:-1", "poisson:x", "uniform:3", ""])
+def test_bad_arrival_is_rejected(text):
+    with pytest.raises(ValueError, match="arrival"):
+        Arrival.parse(text)
+
+
+def test_bad_workload_inputs_are_rejected():
+    with pytest.raises(ValueError, match="unknown workload"):
+        get_workload("nope")
+    with pytest.raises(ValueError, match="sum to 1"):
+        Mixture(((0.5, 1, 2), (0.4, 3, 4)))
+    with pytest.raises(ValueError, match="unknown system"):
+        parse_systems("continuous,warp-drive")
+    assert parse_systems(None) == list(DEFAULT_SYSTEMS)
+
+
+@pytest.mark.parametrize("args", [["--num-requests", "0"], ["--threads", "two"], ["--workload", "huge"]])
+def test_cli_rejects_bad_arguments_before_doing_any_work(args, capsys):
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert args[0] in capsys.readouterr().err
+
+
+def test_cli_rejects_a_bad_arrival_by_name(capsys):
+    from benchmarks.__main__ import main
+
+    assert main(["--quick", "--arrival", "poisson:fast"]) == 2
+    assert "arrival rate must be a number" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- metrics
+def test_trace_figures_share_a_message_gap_between_its_tokens():
+    trace = RequestTrace("r", arrival_s=1.0, requested_tokens=6, prompt_len=3)
+    trace.add(1.5, 2)
+    trace.add(1.5, 0)
+    trace.add(2.1, 3)
+    trace.add(2.5, 1)
+    assert trace.output_tokens == 6
+    assert trace.ttft_s == pytest.approx(0.5)
+    assert trace.e2e_s == pytest.approx(1.5)
+    assert trace.itl_samples() == pytest.approx([0.0, 0.2, 0.2, 0.2, 0.4])
+
+
+def test_time_weighted_mean_and_percentiles():
+    # 1.0 for 1 s, then 0.5 for 3 s.
+    assert time_weighted_mean([(0.0, 1.0), (1.0, 0.5)], end=4.0) == pytest.approx(0.625)
+    assert time_weighted_mean([], end=1.0) is None
+    p = percentiles(list(range(101)))
+    assert (p["p50"], p["p90"], p["p99"]) == (50.0, 90.0, 99.0)
+
+
+def _fake(tok_s, ttft, e2e):
+    lat = {"p50": ttft, "p90": ttft, "p99": ttft}
+    return {"output_tokens_per_s": tok_s, "requests_per_s": tok_s / 10, "ttft_s": lat,
+            "e2e_s": {"p50": e2e, "p90": e2e, "p99": e2e}}
+
+
+def test_ratios_and_targets_reached_missed_and_not_applicable():
+    systems = {"continuous": _fake(100.0, 0.1, 1.0), "static": _fake(20.0, 0.4, 3.0),
+               "hf_generate": _fake(40.0, 0.2, 2.0), "hf_generate_batch": _fake(80.0, 0.1, 1.5)}
+    table = ratios(systems)
+    assert table["static"]["output_tokens_per_s"] == pytest.approx(5.0)
+    assert table["static"]["ttft_p50"] == pytest.approx(4.0)
+    profile = {"levels": [{"running": 32, "outside_forward_share": 0.14}]}
+    judged = {t["target"]: t for t in judge_targets("mixed", table, profile, {"ratio": 1.5})}
+    statuses = [t["status"] for t in judged.values()]
+    assert statuses == ["reached", "missed", "missed", "missed"]
+    assert judged["continuous >= 4x static on mixed"]["margin"] == pytest.approx(0.25)
+    assert judged["continuous >= 4x HF generate on mixed"]["margin"] == pytest.approx(-0.375)
+    assert "schedule bound for this request list: 1.50x" in judged["continuous >= 4x static on mixed"]["detail"]
+    other = judge_targets("uniform", table, None)
+    assert [t["status"] for t in other] == ["n/a", "n/a", "missed", "n/a"]
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_harness_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    from benchmarks.__main__ import main
+    from benchmarks.models import TINY_MODEL_SHAPE
+
+    out = tmp_path / "out"
+    # The engine profile has its own test below, in-process: one fresh interpreter fewer here.
+    code = main(["--quick", "--workload", "tiny", "--out-dir", str(out), "--threads", "1", "--no-profile",
+                 "--json-out", str(tmp_path / "r.json")])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    results = json.loads((tmp_path / "r.json").read_text())
+
+    requests = build_requests(get_workload("tiny"), TINY_MODEL_SHAPE["vocab_size"])
+    asked = {r.request_id: r.output_len for r in requests}
+    assert results["workload"]["name"] == "tiny"
+    assert set(results["systems"]) == set(DEFAULT_SYSTEMS)
+    for name, s in results["systems"].items():
+        assert "error" not in s, (name, s)
+        assert {r["id"]: r["output_tokens"] for r in s["requests"]} == asked, name
+        assert s["output_tokens"] == s["requested_tokens"] == sum(asked.values()), name
+        assert s["exact_output_lengths"] is True, name
+        assert s["computed_tokens"] >= s["output_tokens"], name
+        assert s["output_tokens_per_s"] > 0 and s["requests_per_s"] > 0, name
+        for key in ("ttft_s", "itl_s", "e2e_s"):
+            p = s[key]
+            assert 0 <= p["p50"] <= p["p90"] <= p["p99"], (name, key, p)
+        assert s["ttft_s"]["p99"] <= s["e2e_s"]["p99"], name
+        # HF's continuous batching is only sampled every 50 ms, so a run this short may see it idle.
+        low = 0 if name == "hf_generate_batch" else 1e-9
+        assert low <= s["mean_slot_occupancy"] <= 1, name
+        assert s["peak_rss_bytes"] > 10 * 2**20, name
+    # The padded static batch computes the tail of every short request's row.
+    assert results["systems"]["hf_generate"]["computed_tokens"] > results["systems"]["hf_generate"]["output_tokens"]
+    for name in ("continuous", "static"):
+        assert results["systems"][name]["preemptions"] == 0
+        assert results["systems"][name]["computed_tokens"] == sum(asked.values())
+    assert set(results["ratios"]) == {"static", "hf_generate", "hf_generate_batch"}
+    assert len(results["targets"]) == 4
+    assert results["profile"] is None
+    env = results["environment"]
+    assert env["torch_threads"] == 1 and env["torch"] and env["transformers"]
+
+    assert len(results["plots"]) == 3
+    for path in results["plots"]:
+        with open(path, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+    for title in ("slotserve, continuous", "HF generate, padded", "targets"):
+        assert title in stdout
+    markdown = (tmp_path / "r.md").read_text()
+    assert "| HF continuous (paged) |" in markdown and "failed" not in markdown
+    assert np.isfinite(results["elapsed_s"])
+
+
+def test_engine_profile_shares_step_time_by_phase_at_each_level(tmp_path):
+    from benchmarks.models import make_tiny_model_dir
+    from benchmarks.profile import LEVELS, PHASES, run_profile
+    from benchmarks.systems import BenchSettings
+
+    settings = BenchSettings(str(make_tiny_model_dir(tmp_path / "m")), threads=1)
+    done = []
+    profile = run_profile(settings, steps=2, progress=done.append)
+    assert len(done) == len(LEVELS)
+    levels = profile["levels"]
+    assert [lv["running"] for lv in levels] == [1, 8, 32, 64]
+    for lv in levels:
+        # Every measured step ran exactly the level's requests, all past prefill.
+        assert lv["min_running"] == lv["max_running"] == lv["running"]
+        assert set(PHASES) <= set(lv["seconds"])
+        assert sum(lv["shares"].values()) == pytest.approx(1.0)
+        assert 0 < lv["shares"]["forward"] < 1
+        assert lv["outside_forward_share"] == pytest.approx(1 - lv["shares"]["forward"])
