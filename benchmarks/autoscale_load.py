@@ -25,6 +25,8 @@ _TS = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 _DECISION = re.compile(_TS + r" .*? -- autoscale (\d+) -> (\d+) \((\w+)\): (.*)$")
 _STOPPING = re.compile(_TS + r" .*? -- Stopping Replica\(id='([^']+)', deployment='([^']+)'")
 _STOPPED = re.compile(_TS + r" .*? -- Replica\(id='([^']+)', deployment='([^']+)', app='[^']*'\) is stopped")
+_STARTED = re.compile(r" -- Replica\(id='([^']+)', deployment='[^']+', app='[^']*'\) started successfully .*?"
+                      r"after ([\d.]+)s .*?took ([\d.]+)s")
 _CALL = re.compile(_TS + r" \S+ (\S+) \S+ -- CALL generate (\w+) ([\d.]+)ms")
 
 
@@ -37,19 +39,25 @@ def _wall(ts: str) -> float:
 @dataclass
 class Outcome:
     start: float
+    asked: int
+    """max_tokens of the request."""
     end: float = 0.0
     tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str = ""
     error: str | None = None
 
-    def complete(self, max_tokens: int) -> bool:
+    @property
+    def complete(self) -> bool:
+        """Ended normally with every token asked for (counted on the stream and in the usage)."""
         return (self.error is None and self.finish_reason == "FINISH_REASON_LENGTH"
-                and self.tokens == self.completion_tokens == max_tokens)
+                and self.tokens == self.completion_tokens == self.asked)
 
 
 class Clients:
-    """Closed-loop streaming clients: each sends its next request when its last one ends."""
+    """Streaming clients on threads: closed loop (``add``: each sends its next request when
+    its last one ends) or open loop (``add_arrivals``: a request every so often, whatever
+    the ones before are doing)."""
 
     def __init__(self, stub, max_tokens: int, prompt_len: int = 12, vocab: int = 300) -> None:
         self._stub, self.max_tokens, self._prompt_len, self._vocab = stub, max_tokens, prompt_len, vocab
@@ -58,17 +66,29 @@ class Clients:
         self.outcomes: list[Outcome] = []
         self.in_flight = 0
 
-    def add(self, n: int) -> None:
-        for _ in range(n):
-            stop = threading.Event()
-            worker = threading.Thread(target=self._loop, args=(len(self._workers), stop), daemon=True)
-            self._workers.append((worker, stop))
-            worker.start()
+    def add(self, n: int, max_tokens: int | None = None) -> list[threading.Event]:
+        """Start ``n`` closed-loop clients; returns their stop events (see ``stop_group``)."""
+        return [self._start(self._loop, max_tokens or self.max_tokens) for _ in range(n)]
+
+    def add_arrivals(self, interval_s: float, max_tokens: int | None = None) -> list[threading.Event]:
+        """One request every ``interval_s`` seconds, each on its own thread."""
+        return [self._start(self._arrivals, max_tokens or self.max_tokens, interval_s)]
+
+    def _start(self, target, *args) -> threading.Event:
+        stop = threading.Event()
+        worker = threading.Thread(target=target, args=(len(self._workers), stop, *args), daemon=True)
+        self._workers.append((worker, stop))
+        worker.start()
+        return stop
 
     def stop(self, n: int | None = None) -> None:
-        """Tell ``n`` clients (all by default) to stop after their current request."""
-        live = [w for w in self._workers if not w[1].is_set()]
-        for _, stop in live[len(live) - (len(live) if n is None else min(n, len(live))):]:
+        """Tell ``n`` clients (all by default, newest first) to stop after their current request."""
+        live = [stop for _, stop in self._workers if not stop.is_set()]
+        self.stop_group(live[len(live) - (len(live) if n is None else min(n, len(live))):])
+
+    @staticmethod
+    def stop_group(events: list[threading.Event]) -> None:
+        for stop in events:
             stop.set()
 
     def join(self, timeout_s: float) -> None:
@@ -79,24 +99,40 @@ class Clients:
         if alive:
             raise TimeoutError(f"{alive} clients still streaming after {timeout_s} s")
 
-    def _loop(self, index: int, stop: threading.Event) -> None:
+    def _loop(self, index: int, stop: threading.Event, max_tokens: int) -> None:
         n = 0
         while not stop.is_set():
-            # Different prompts: no prefix-cache affinity pulls the streams to one replica.
-            prompt = [3 + (index * 31 + n * 7 + k) % self._vocab for k in range(self._prompt_len)]
-            outcome = self._one(prompt)
-            with self._lock:
-                self.outcomes.append(outcome)
+            self._record(self._prompt(index, n), max_tokens)
             n += 1
 
-    def _one(self, prompt: list[int]) -> Outcome:
+    def _arrivals(self, index: int, stop: threading.Event, max_tokens: int, interval_s: float) -> None:
+        sent: list[threading.Thread] = []
+        n = 0
+        while not stop.wait(0 if n == 0 else interval_s):
+            one = threading.Thread(target=self._record, args=(self._prompt(index, n), max_tokens), daemon=True)
+            one.start()
+            sent.append(one)
+            n += 1
+        for one in sent:  # join() waits for this worker, so for every request it sent
+            one.join()
+
+    def _prompt(self, index: int, n: int) -> list[int]:
+        # Different prompts: no prefix-cache affinity pulls the streams to one replica.
+        return [3 + (index * 31 + n * 7 + k) % self._vocab for k in range(self._prompt_len)]
+
+    def _record(self, prompt: list[int], max_tokens: int) -> None:
+        outcome = self._one(prompt, max_tokens)
+        with self._lock:
+            self.outcomes.append(outcome)
+
+    def _one(self, prompt: list[int], max_tokens: int) -> Outcome:
         import grpc
 
         from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 
         request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingOptions(
-            temperature=0, max_tokens=self.max_tokens, ignore_eos=True))
-        out = Outcome(start=time.time())
+            temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        out = Outcome(start=time.time(), asked=max_tokens)
         with self._lock:
             self.in_flight += 1
         try:
@@ -243,6 +279,16 @@ def replica_stop_times(log_dir: Path, replica_id: str) -> tuple[float | None, fl
             if m and m[2] == replica_id:
                 stopped = _wall(m[1])
     return stopping, stopped
+
+
+def replica_start(log_dir: Path, replica_id: str) -> tuple[float, float] | None:
+    """(seconds from creation to ready, of which in the constructor and first health check)."""
+    for path in log_dir.glob("controller_*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            m = _STARTED.search(line)
+            if m and m[1] == replica_id:
+                return float(m[2]), float(m[3])
+    return None
 
 
 def generate_calls(log_dir: Path, app: str, replica_id: str) -> list[tuple[float, float, str]]:

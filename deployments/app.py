@@ -91,7 +91,11 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
     cfg = AppConfig.from_args(args)
     engine = serve.deployment(ServeEngineReplica, **engine_deployment_options(cfg)).bind(
         cfg.model, replica_engine_options(cfg), cfg.engine_class, cfg.drain_timeout_s)
+    # The ingress holds the client side of every stream: when the app stops it must outlast
+    # the engines' drain, or Serve's default 20 s grace cuts streams the engines still serve.
     ingress = serve.deployment(RouterIngress, name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress.num_replicas,
                                ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
-                               max_ongoing_requests=cfg.ingress.max_ongoing_requests)
+                               max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+                               graceful_shutdown_timeout_s=cfg.drain_timeout_s + 10.0,
+                               graceful_shutdown_wait_loop_s=0.5)
     return ingress.bind(engine, frontend_config(cfg), cfg.max_body_bytes)

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ENGINE_CLASS = "engine.async_engine:AsyncEngine"
 PREFIX_DIGEST_ENTRIES = 4096
+ABORT_GRACE_S = 2.0  # after the drain timeout: time for aborted streams to end before the engine stops
 _local_ids = itertools.count()
 
 
@@ -153,6 +154,13 @@ class EngineReplica:
         if self._active:
             logger.warning("drain timeout (%.1f s): aborting %d running requests", self._drain_timeout_s,
                            len(self._active))
+            # Hand them back with finish_reason "abort" while the loop still runs: a stopped
+            # engine would leave their streams waiting forever.
+            for rid in list(self._active):
+                self._engine.abort(rid)
+            deadline = time.monotonic() + ABORT_GRACE_S
+            while self._active and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         self._engine.shutdown()
 
 

@@ -114,6 +114,39 @@ def test_steady_load_at_target_never_oscillates():
     assert sim.changes == []
 
 
+def test_a_short_lull_does_not_scale_down():
+    def busy(n):  # 3 replicas' worth of busy slots: 4 replicas run at the target
+        return fleet(n, 3.0 / n)
+
+    sim = Sim(4)
+    sim.run(60, busy)
+    sim.run(20, lambda n: fleet(n, 0.0))  # idle for less than the 30 s downscale delay
+    sim.run(60, busy)
+    assert sim.changes == []
+
+
+@pytest.mark.parametrize("start", [1, 2])
+def test_a_load_between_two_counts_holds_either_count(start):
+    # 0.8 replica's worth of busy slots: one replica runs at 0.8 (inside the band), two
+    # would be needed to get under the target (ceil(0.8 / 0.75) = 2). Whichever count the
+    # fleet has, it keeps: the band and the rounding overlap instead of fighting.
+    rng = random.Random(start)
+    sim = Sim(start, AutoscaleConfig(min_replicas=1, max_replicas=4, upscale_delay_s=1.0, downscale_delay_s=3.0))
+    sim.run(600, lambda n: [ReplicaMetrics((0.8 + rng.uniform(-0.04, 0.04)) / n) for _ in range(n)])
+    assert sim.changes == [] and sim.replicas == start
+
+
+def test_the_log_line_carries_the_decision_inputs(caplog):
+    with caplog.at_level(logging.INFO, logger="router.autoscale"):
+        cfg = AutoscaleConfig(min_replicas=1, max_replicas=4, downscale_delay_s=0.0)
+        decide(fleet(3, 0.1), 3, cfg, {}, 0.0)
+    (rec,) = caplog.records
+    message = rec.getMessage()
+    assert message.startswith("autoscale 3 -> 1 (below_band): ")
+    for field in ("demand=0.300", "load=0.100", "waiting=0", "reporting=3", "target=0.75"):
+        assert field in message, message
+
+
 def test_load_steps_settle_without_flapping():
     sim = Sim(1, AutoscaleConfig(min_replicas=1, max_replicas=8, upscale_delay_s=1.0, downscale_delay_s=3.0))
     for busy in (0.5, 3.0, 5.5, 1.0, 0.2):  # total busy slots' worth, held for a minute each
