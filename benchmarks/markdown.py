@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.report import fmt_num, fmt_pcts
+from benchmarks.report import fmt_num, fmt_pcts, peak_rss, served_lines
 from benchmarks.systems import BASELINE
 
 
@@ -36,7 +36,10 @@ def format_markdown(results: dict) -> str:
             "1" if name == BASELINE else fmt_num(ratio, ".2f") + "x", fmt_num(s["requests_per_s"], ".2f"),
             fmt_pcts(s["ttft_s"], 1, ".2f"), fmt_pcts(s["itl_s"], 1000, ".1f"), fmt_pcts(s["e2e_s"], 1, ".1f"),
             fmt_num(s["mean_slot_occupancy"], ".2f"), fmt_num(s["preemptions"], "d"),
-            fmt_num(s["prefix_cache_hit_rate"], ".0%"), fmt_num(s.get("peak_rss_bytes"), ".0f", 1 / 2**20)]))
+            fmt_num(s["prefix_cache_hit_rate"], ".0%"), fmt_num(peak_rss(s), ".0f", 1 / 2**20)]))
+    served = served_lines(results["systems"])
+    if served:
+        lines += [""] + [f"- {line}" for line in served]
     lines += ["", "Targets (reported, not asserted):", ""]
     lines += [f"- **{t['status']}** — {t['target']}: {t['detail']}" for t in results["targets"]]
     profile = results.get("profile") or {}

@@ -30,6 +30,10 @@ RATIO_TARGETS = (
 )
 PROFILE_TARGET_RUNNING = 32
 PROFILE_TARGET_MAX_OUTSIDE = 0.10
+# The served application against the in-process engine on the same workload.
+SERVED = "served"
+SERVED_MIN_THROUGHPUT_SHARE = 0.85
+SERVED_MAX_ADDED_TTFT_S = 0.005
 # Threads waiting on cores taken by other processes slow a step many times over: above this, say so.
 BUSY_HOST_SHARE = 0.15
 
@@ -57,7 +61,42 @@ def ratios(systems: dict) -> dict:
             "e2e_p50": _ratio(s["e2e_s"]["p50"], base["e2e_s"]["p50"]),
             "e2e_p99": _ratio(s["e2e_s"]["p99"], base["e2e_s"]["p99"]),
         }
+        if name == SERVED:
+            # What the serving path keeps of the engine's throughput, and what it adds to TTFT.
+            out[name]["throughput_share"] = _ratio(s["output_tokens_per_s"], base["output_tokens_per_s"])
+            out[name]["added_ttft_s"] = (s.get("notes") or {}).get("added_ttft_s")
     return out
+
+
+def peak_rss(system: dict) -> int | None:
+    """The system's peak RSS; for the served app, summed over the client and every Ray process."""
+    return (system.get("notes") or {}).get("peak_rss_tree_bytes") or system.get("peak_rss_bytes")
+
+
+def _served_targets(ratio_table: dict) -> list[dict]:
+    served = ratio_table.get(SERVED)
+    share = (served or {}).get("throughput_share")
+    entry = {"target": f"served >= {SERVED_MIN_THROUGHPUT_SHARE:g}x continuous output tok/s",
+             "minimum": SERVED_MIN_THROUGHPUT_SHARE, "value": share}
+    if share is None:
+        entry.update(status="n/a", detail=f"{SERVED} and {BASELINE} were not both run")
+    else:
+        margin = share / SERVED_MIN_THROUGHPUT_SHARE - 1.0
+        entry.update(status="reached" if margin >= 0 else "missed", margin=margin,
+                     detail=f"{share:.2f}x vs {SERVED_MIN_THROUGHPUT_SHARE:g}x: "
+                            f"{'above' if margin >= 0 else 'short'} by {abs(margin):.0%}")
+    added = ((served or {}).get("added_ttft_s") or {}).get("p50")
+    limit_ms = SERVED_MAX_ADDED_TTFT_S * 1e3
+    ttft = {"target": f"served path adds <= {limit_ms:g} ms to TTFT (p50, light load)",
+            "maximum": SERVED_MAX_ADDED_TTFT_S, "value": added}
+    if added is None:
+        ttft.update(status="n/a", detail=f"{SERVED} was not run")
+    else:
+        over = (added - SERVED_MAX_ADDED_TTFT_S) * 1e3
+        ttft.update(status="reached" if over <= 0 else "missed", margin=-over / 1e3,
+                    detail=f"{added * 1e3:.1f} ms vs {limit_ms:g} ms: {'under' if over <= 0 else 'over'} by "
+                           f"{abs(over):.1f} ms (p90 {served['added_ttft_s']['p90'] * 1e3:.1f} ms)")
+    return [entry, ttft]
 
 
 def judge_targets(workload: str, ratio_table: dict, profile: dict | None, bound: dict | None = None) -> list[dict]:
@@ -95,7 +134,7 @@ def judge_targets(workload: str, ratio_table: dict, profile: dict | None, bound:
                      detail=f"{value:.1%} vs {PROFILE_TARGET_MAX_OUTSIDE:.0%}: "
                             f"{'under' if points >= 0 else 'over'} by {abs(points):.1f} points")
     judged.append(entry)
-    return judged
+    return judged + _served_targets(ratio_table)
 
 
 def _cpu_model() -> str:
@@ -206,12 +245,38 @@ def _system_lines(systems: dict) -> list[str]:
                  (fmt_pcts(s["ttft_s"], 1, ".2f"), 22), (fmt_pcts(s["itl_s"], 1000, ".1f"), 20),
                  (fmt_pcts(s["e2e_s"], 1, ".1f"), 22), (fmt_num(s["mean_slot_occupancy"], ".2f"), 7),
                  (fmt_num(s["preemptions"], "d"), 8), (fmt_num(s["prefix_cache_hit_rate"], ".0%"), 7),
-                 (fmt_num(s.get("peak_rss_bytes"), ".0f", 1 / 2**20), 8)]
+                 (fmt_num(peak_rss(s), ".0f", 1 / 2**20), 8)]
         lines.append(f"{s['title']:<24}" + "".join(f"{text:>{width}}" for text, width in cells))
+    lines += served_lines(systems)
     for name, s in systems.items():
         if "error" not in s and not s["exact_output_lengths"]:
             lines.append(f"WARNING: {name} returned {s['output_tokens']} tokens for {s['requested_tokens']} asked; "
                          "its figures are not comparable")
+    return lines
+
+
+def served_lines(systems: dict) -> list[str]:
+    """How the served figures were taken: the added TTFT probe and whose memory the RSS counts."""
+    s = systems.get(SERVED)
+    if not s or "error" in s:
+        return []
+    notes = s.get("notes") or {}
+    lines = []
+    added = notes.get("added_ttft_s")
+    if added:
+        lines.append(f"served: added TTFT p50 {added['p50'] * 1e3:.1f} ms, p90 {added['p90'] * 1e3:.1f} ms "
+                     f"(client TTFT through gRPC + Ray p50 {added['served_ttft_s']['p50'] * 1e3:.1f} ms minus "
+                     f"in-process AsyncEngine p50 {added['engine_ttft_s']['p50'] * 1e3:.1f} ms; "
+                     f"{added['requests']} requests one at a time, {added['prompt_len']}-token prompts, "
+                     f"{min(added['output_lens'])}-{max(added['output_lens'])} tokens)")
+    floor = notes.get("serve_call_floor_s")
+    if floor:
+        lines.append(f"served: for scale, one bare Serve streaming call (do-nothing replica, one item) takes "
+                     f"p50 {floor['p50'] * 1e3:.1f} ms, p90 {floor['p90'] * 1e3:.1f} ms here; "
+                     "the served path makes two such hops plus gRPC")
+    if notes.get("peak_rss_tree_bytes"):
+        lines.append(f"served: peak RSS is the client plus all {notes.get('processes_at_peak_rss')} Ray processes "
+                     f"(client alone {fmt_num(s.get('peak_rss_bytes'), '.0f', 1 / 2**20)} MB)")
     return lines
 
 

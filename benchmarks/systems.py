@@ -86,11 +86,14 @@ register_system(SystemSpec(
     "transformers' own continuous batching (manager API: init_continuous_batching / add_request / get_result), "
     "paged cache sized like the engine's",
     "benchmarks.hf_peers:run_hf_generate_batch"))
-# slotserve through the served application (gRPC, Ray Serve) plugs in here as "served", e.g.
-# register_system(SystemSpec("served", "slotserve, served (gRPC)", "...", "benchmarks.served:run_served")).
+register_system(SystemSpec(
+    "served", "slotserve, served (gRPC)",
+    "the served application on a local Ray: gRPC streaming clients -> Serve's gRPC proxy -> Router ingress -> "
+    "one EngineReplica with the continuous system's engine options",
+    "benchmarks.served_system:run_served"))
 
 BASELINE = "continuous"
-DEFAULT_SYSTEMS = ("continuous", "static", "hf_generate", "hf_generate_batch")
+DEFAULT_SYSTEMS = ("continuous", "static", "hf_generate", "hf_generate_batch", "served")
 
 
 def parse_systems(text: str | None) -> list[str]:

@@ -135,12 +135,33 @@ def test_ratios_and_targets_reached_missed_and_not_applicable():
     profile = {"levels": [{"running": 32, "outside_forward_share": 0.14}]}
     judged = {t["target"]: t for t in judge_targets("mixed", table, profile, {"ratio": 1.5})}
     statuses = [t["status"] for t in judged.values()]
-    assert statuses == ["reached", "missed", "missed", "missed"]
+    # The last two judge the served app, which did not run here.
+    assert statuses == ["reached", "missed", "missed", "missed", "n/a", "n/a"]
     assert judged["continuous >= 4x static on mixed"]["margin"] == pytest.approx(0.25)
     assert judged["continuous >= 4x HF generate on mixed"]["margin"] == pytest.approx(-0.375)
     assert "schedule bound for this request list: 1.50x" in judged["continuous >= 4x static on mixed"]["detail"]
     other = judge_targets("uniform", table, None)
-    assert [t["status"] for t in other] == ["n/a", "n/a", "missed", "n/a"]
+    assert [t["status"] for t in other] == ["n/a", "n/a", "missed", "n/a", "n/a", "n/a"]
+
+
+def test_served_targets_judge_throughput_share_and_added_ttft():
+    def served(tok_s, added_p50):
+        notes = {"added_ttft_s": {"p50": added_p50, "p90": added_p50 * 2}}
+        return {**_fake(tok_s, 0.1, 1.0), "notes": notes}
+
+    def judged(tok_s, added_p50):
+        table = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served": served(tok_s, added_p50)})
+        return table, judge_targets("uniform", table, None)[-2:]
+
+    table, (share, ttft) = judged(90.0, 0.004)
+    assert table["served"]["throughput_share"] == pytest.approx(0.9)
+    assert table["served"]["output_tokens_per_s"] == pytest.approx(100 / 90)
+    assert (share["status"], ttft["status"]) == ("reached", "reached")
+    assert share["margin"] == pytest.approx(0.9 / 0.85 - 1)
+    assert "4.0 ms vs 5 ms: under by 1.0 ms (p90 8.0 ms)" in ttft["detail"]
+    _, (share, ttft) = judged(80.0, 0.0065)
+    assert (share["status"], ttft["status"]) == ("missed", "missed")
+    assert "short by 6%" in share["detail"] and "over by 1.5 ms" in ttft["detail"]
 
 
 # ---------------------------------------------------------------- end to end
@@ -150,9 +171,10 @@ def test_harness_end_to_end_on_a_tiny_model(tmp_path, capsys):
     from benchmarks.models import TINY_MODEL_SHAPE
 
     out = tmp_path / "out"
+    in_process = [name for name in DEFAULT_SYSTEMS if name != "served"]  # the served app has its own test
     # The engine profile has its own test below, in-process: one fresh interpreter fewer here.
     code = main(["--quick", "--workload", "tiny", "--out-dir", str(out), "--threads", "1", "--no-profile",
-                 "--json-out", str(tmp_path / "r.json")])
+                 "--systems", ",".join(in_process), "--json-out", str(tmp_path / "r.json")])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     results = json.loads((tmp_path / "r.json").read_text())
@@ -160,7 +182,7 @@ def test_harness_end_to_end_on_a_tiny_model(tmp_path, capsys):
     requests = build_requests(get_workload("tiny"), TINY_MODEL_SHAPE["vocab_size"])
     asked = {r.request_id: r.output_len for r in requests}
     assert results["workload"]["name"] == "tiny"
-    assert set(results["systems"]) == set(DEFAULT_SYSTEMS)
+    assert set(results["systems"]) == set(in_process)
     for name, s in results["systems"].items():
         assert "error" not in s, (name, s)
         assert {r["id"]: r["output_tokens"] for r in s["requests"]} == asked, name
@@ -182,7 +204,7 @@ def test_harness_end_to_end_on_a_tiny_model(tmp_path, capsys):
         assert results["systems"][name]["preemptions"] == 0
         assert results["systems"][name]["computed_tokens"] == sum(asked.values())
     assert set(results["ratios"]) == {"static", "hf_generate", "hf_generate_batch"}
-    assert len(results["targets"]) == 4
+    assert len(results["targets"]) == 6
     assert results["profile"] is None
     env = results["environment"]
     assert env["torch_threads"] == 1 and env["torch"] and env["transformers"]
@@ -216,3 +238,81 @@ def test_engine_profile_shares_step_time_by_phase_at_each_level(tmp_path):
         assert sum(lv["shares"].values()) == pytest.approx(1.0)
         assert 0 < lv["shares"]["forward"] < 1
         assert lv["outside_forward_share"] == pytest.approx(1 - lv["shares"]["forward"])
+
+
+# ---------------------------------------------------------------- the served app (system "served")
+def test_served_engine_gets_the_in_process_engine_options(tmp_path):
+    import dataclasses
+
+    from benchmarks.engine_systems import make_engine
+    from benchmarks.models import make_tiny_model_dir
+    from benchmarks.served_system import engine_options
+    from benchmarks.systems import BenchSettings
+    from engine.config import EngineConfig
+
+    settings = BenchSettings(str(make_tiny_model_dir(tmp_path / "m")), max_num_seqs=8, num_kv_blocks=100, threads=1)
+    served = EngineConfig.from_options(settings.model_dir, **engine_options(settings))
+    assert served.num_threads == 1
+    # The in-process engine takes its thread count from the worker process instead.
+    assert dataclasses.replace(served, num_threads=None) == make_engine(settings).config
+
+
+def test_weights_only_model_gets_a_word_level_tokenizer(tmp_path):
+    from benchmarks.models import make_tiny_model_dir
+    from benchmarks.served_system import with_tokenizer
+    from engine.tokenizer import load_tokenizer
+
+    model = make_tiny_model_dir(tmp_path / "m")
+    served_dir = with_tokenizer(str(model), tmp_path / "scratch")
+    assert served_dir != str(model) and not (model / "tokenizer.json").exists()
+    tok = load_tokenizer(served_dir)
+    assert tok.vocab_size == 512 and tok.decode([5, 300, 7]) == "<t5> <t300> <t7>"
+    assert tok.encode("<t5> <t300>") == [5, 300]
+    assert with_tokenizer(served_dir, tmp_path / "again") == served_dir
+
+
+def test_added_ttft_pairs_each_probe_request():
+    from benchmarks.served_client import added_ttft
+
+    added = added_ttft([0.010, 0.012, 0.020], [0.001, 0.002, 0.004])
+    assert added["p50"] == pytest.approx(0.010)
+    assert added["served_ttft_s"]["p50"] == pytest.approx(0.012)
+    assert added["engine_ttft_s"]["p50"] == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="differ in length"):
+        added_ttft([0.01], [])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_served_app_runs_the_workload_through_grpc(tmp_path, capsys):
+    from benchmarks.__main__ import main
+    from benchmarks.models import TINY_MODEL_SHAPE
+
+    code = main(["--quick", "--workload", "tiny", "--systems", "continuous,served", "--threads", "1",
+                 "--no-profile", "--out-dir", str(tmp_path / "out"), "--json-out", str(tmp_path / "r.json")])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    results = json.loads((tmp_path / "r.json").read_text())
+    asked = {r.request_id: r.output_len
+             for r in build_requests(get_workload("tiny"), TINY_MODEL_SHAPE["vocab_size"])}
+    served = results["systems"]["served"]
+    assert "error" not in served, served
+    # Every streamed token counted on the client, exactly what was asked; warm-up and probe left out.
+    assert {r["id"]: r["output_tokens"] for r in served["requests"]} == asked
+    assert served["output_tokens"] == served["requested_tokens"] == served["computed_tokens"] == sum(asked.values())
+    assert served["exact_output_lengths"] is True and served["preemptions"] == 0
+    for key in ("ttft_s", "itl_s", "e2e_s"):
+        assert 0 <= served[key]["p50"] <= served[key]["p90"] <= served[key]["p99"], key
+    assert 0 <= served["mean_slot_occupancy"] <= 1
+    notes = served["notes"]
+    added = notes["added_ttft_s"]
+    assert added["requests"] == 20
+    # Two Ray hops and a gRPC proxy cannot be faster than the engine alone.
+    assert added["served_ttft_s"]["p50"] > added["engine_ttft_s"]["p50"] > 0
+    assert 0 < notes["serve_call_floor_s"]["p50"] <= notes["serve_call_floor_s"]["p90"]
+    assert notes["peak_rss_tree_bytes"] > served["peak_rss_bytes"] and notes["processes_at_peak_rss"] > 3
+    assert results["ratios"]["served"]["throughput_share"] > 0
+    assert [t["status"] in ("reached", "missed") for t in results["targets"][-2:]] == [True, True]
+    assert "slotserve, served (gRPC)" in stdout and "added TTFT" in stdout
+    assert "| slotserve, served (gRPC) |" in (tmp_path / "r.md").read_text()
