@@ -149,11 +149,16 @@ def engine_probe_ttft(engine_options: dict, model_dir: str) -> list[float]:
         engine.shutdown()
 
 
+def percentiles_50_90(values) -> dict:
+    arr = np.asarray(values, dtype=np.float64)
+    return {"p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90))}
+
+
 def added_ttft(served: list[float], engine: list[float]) -> dict:
     """Per probe request, served TTFT minus in-process TTFT; p50 / p90 of those and of each side."""
     if len(served) != len(engine) or not served:
         raise ValueError(f"probe runs differ in length: served {len(served)}, engine {len(engine)}")
     diffs = np.asarray(served) - np.asarray(engine)
-    pct = lambda a: {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}  # noqa: E731
-    return {**pct(diffs), "served_ttft_s": pct(np.asarray(served)), "engine_ttft_s": pct(np.asarray(engine)),
-            "requests": len(served), "prompt_len": PROBE_PROMPT_LEN, "output_lens": list(PROBE_OUTPUT_LENS)}
+    return {**percentiles_50_90(diffs), "served_ttft_s": percentiles_50_90(served),
+            "engine_ttft_s": percentiles_50_90(engine), "requests": len(served), "prompt_len": PROBE_PROMPT_LEN,
+            "output_lens": list(PROBE_OUTPUT_LENS)}

@@ -5,6 +5,10 @@ The engine replica gets the same options as the in-process ``continuous`` system
 token budget, block size, KV blocks, dtype, torch threads), so the difference between the
 two is the serving path alone: gRPC, the proxy, the ingress and two Ray streaming hops.
 
+After the timed run, the added-TTFT probe (``served_client``) goes three ways: through
+gRPC, straight to the engine replica with a Serve handle (one hop, same engine process),
+and, with Ray shut down, to an in-process ``AsyncEngine`` in a fresh process.
+
 Peak RSS: Ray runs a dozen processes besides this client (GCS, raylet, Serve's
 controller and proxy, the ingress and engine replicas). ``notes.peak_rss_tree_bytes`` is
 the largest sum of RSS over this process and all of its descendants, sampled every
@@ -24,7 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.metrics import SystemRun
-from benchmarks.served_client import (added_ttft, engine_probe_ttft, run_streams, served_probe_ttft)
+from benchmarks.served_client import (added_ttft, engine_probe_ttft, percentiles_50_90, probe_requests, run_streams,
+                                      served_probe_ttft)
 from benchmarks.systems import BenchSettings
 from benchmarks.workloads import BenchRequest, warmup_requests
 
@@ -194,6 +199,30 @@ class ServedApp:
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
         return handle.stats.remote().result(timeout_s=30)
 
+    def handle_probe_ttft(self, vocab_size: int) -> list[float]:
+        """The probe sent from here straight to the engine replica (one Serve hop, no proxy, no ingress).
+
+        Same replica process as the gRPC probe, so the difference between the two is the
+        proxy and ingress alone, whatever this process's forward speed.
+        """
+        from ray import serve
+
+        from deployments.ingress import ENGINE_DEPLOYMENT
+        from deployments.requests import PreparedRequest
+        from engine.sampling import SamplingParams
+
+        handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME).options(stream=True)
+        ttfts = []
+        for r in probe_requests(vocab_size):
+            params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+            request = PreparedRequest(f"{r.request_id}-handle", tuple(r.prompt_token_ids), params).engine_request()
+            start, first = time.perf_counter(), None
+            for message in handle.generate.remote(request):
+                if first is None and message["token_ids"]:
+                    first = time.perf_counter() - start
+            ttfts.append(first)
+        return ttfts
+
     def serve_call_floor(self, calls: int = 20) -> dict:
         """For scale: a bare Serve streaming call (this process -> a do-nothing replica -> one item).
 
@@ -250,16 +279,21 @@ def run_served(requests: list[BenchRequest], settings: BenchSettings,
             traces, makespan, occupancy = run_streams(app.target, requests, progress, sample_occupancy=True)
             after = app.engine_stats()
             served_ttft = served_probe_ttft(app.target, vocab_size)
+            handle_ttft = app.handle_probe_ttft(vocab_size)
             floor = app.serve_call_floor()
             startup_s = app.startup_s
         engine_ttft = _in_process_probe(engine_options(settings), model_dir)
+    added = added_ttft(served_ttft, engine_ttft)
+    # gRPC client minus the direct handle call, per request: the proxy + ingress share of it.
+    added["proxy_and_ingress_s"] = percentiles_50_90([a - b for a, b in zip(served_ttft, handle_ttft)])
+    added["replica_handle_ttft_s"] = percentiles_50_90(handle_ttft)
     return SystemRun(
         traces, makespan, _delta(after, before, "num_generated_tokens"), occupancy,
         preemptions=_delta(after, before, "num_preemptions"),
         prefix_cache_queries=_delta(after, before, "prefix_cache_queries"),
         prefix_cache_hits=_delta(after, before, "prefix_cache_hits"),
         notes={"steps": _delta(after, before, "num_steps"), "kv_blocks_total": after.get("kv_blocks_total"),
-               "block_size": after.get("block_size"), "added_ttft_s": added_ttft(served_ttft, engine_ttft),
+               "block_size": after.get("block_size"), "added_ttft_s": added,
                "serve_call_floor_s": floor,
                "peak_rss_tree_bytes": rss.peak_bytes, "processes_at_peak_rss": rss.processes_at_peak,
                "startup_s": startup_s, "transport": "gRPC (grpc.aio client, one channel) -> Serve proxy -> "

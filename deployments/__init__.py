@@ -5,7 +5,7 @@
   deployments, one ``engine.AsyncEngine`` each.
 - ``frontend.Frontend`` is the protocol-neutral core of the ingress (validation,
   tokenization, chat templates, incremental detokenization, stop strings); it does not
-  import ray, so it is tested in-process against ``fake_engine.FakeAsyncEngine``.
+  import ray, so it is tested in-process against a fake engine (tests/fake_engine.py).
 
 Importing this package is cheap: modules that pull in ray or torch load on use.
 """

@@ -90,7 +90,7 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
 def build_app(args: Mapping[str, Any] | None = None) -> Application:
     cfg = AppConfig.from_args(args)
     engine = serve.deployment(ServeEngineReplica, **engine_deployment_options(cfg)).bind(
-        cfg.model, replica_engine_options(cfg), cfg.engine_class, cfg.drain_timeout_s)
+        cfg.model, replica_engine_options(cfg), drain_timeout_s=cfg.drain_timeout_s)
     # The ingress holds the client side of every stream: when the app stops it must outlast
     # the engines' drain, or Serve's default 20 s grace cuts streams the engines still serve.
     ingress = serve.deployment(RouterIngress, name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress.num_replicas,

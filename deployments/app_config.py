@@ -16,7 +16,6 @@ from typing import Any, Mapping
 from engine.config import EngineConfig, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"  # engine.models_hub's built-in name, converted from the bundled GGUF
-DEFAULT_ENGINE_CLASS = "engine.async_engine:AsyncEngine"
 ROUTING_MODES = ("slot_aware", "default")
 AUTOSCALING_POLICIES = ("slot_occupancy", "default")
 
@@ -104,7 +103,6 @@ class AppConfig:
     """The id clients use (/v1/models); default: the built-in name or the directory's name."""
     engine: tuple[tuple[str, Any], ...] = ()
     """Flat engine options (EngineConfig.from_options); written as a mapping in YAML."""
-    engine_class: str = DEFAULT_ENGINE_CLASS
     num_replicas: int = 1
     """Fixed replica count; leave out when ``autoscaling`` is given."""
     autoscaling: AutoscalingKnobs | None = None
@@ -130,8 +128,6 @@ class AppConfig:
         _check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty path or model name", self.model)
         _check(self.served_model_name is None or (isinstance(self.served_model_name, str) and self.served_model_name),
                "served_model_name", "a non-empty string or null", self.served_model_name)
-        _check(isinstance(self.engine_class, str) and ":" in self.engine_class, "engine_class",
-               "'package.module:Class'", self.engine_class)
         _check(_is_int(self.num_replicas) and self.num_replicas >= 1, "num_replicas", "an integer >= 1",
                self.num_replicas)
         _check(self.routing in ROUTING_MODES, "routing", f"one of {ROUTING_MODES}", self.routing)
@@ -149,11 +145,10 @@ class AppConfig:
                "request_timeout_s", "a number > 0 or null", self.request_timeout_s)
         _check(all(isinstance(k, str) and len(k) >= 8 for k in self.api_keys), "api_keys",
                "a list of strings of at least 8 characters", "[redacted]")
-        if self.engine_class == DEFAULT_ENGINE_CLASS:  # fail now, not later in every replica
-            try:
-                EngineConfig.from_options(self.model, **self.engine_options)
-            except ValueError as exc:
-                raise ValueError(f"engine: {exc}") from None
+        try:  # fail now, not later in every replica
+            EngineConfig.from_options(self.model, **self.engine_options)
+        except ValueError as exc:
+            raise ValueError(f"engine: {exc}") from None
 
     @property
     def engine_options(self) -> dict[str, Any]:

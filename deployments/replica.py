@@ -1,7 +1,7 @@
 """EngineReplica: one AsyncEngine per Serve replica (one per GPU, or CPUs on a laptop).
 
 The class is plain Python (Serve wraps it in ``app.build_app``), so it is tested
-in-process with ``fake_engine.FakeAsyncEngine``. What Serve calls on it:
+in-process with a fake engine (tests/fake_engine.py). What Serve calls on it:
 
 - ``generate(request)``: an async generator, one small dict per engine message (the
   engine coalesces: all tokens since the previous message), never one per token.

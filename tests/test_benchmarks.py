@@ -145,12 +145,12 @@ def test_ratios_and_targets_reached_missed_and_not_applicable():
 
 
 def test_served_targets_judge_throughput_share_and_added_ttft():
-    def served(tok_s, added_p50):
-        notes = {"added_ttft_s": {"p50": added_p50, "p90": added_p50 * 2}}
+    def served(tok_s, added_p50, engine_p50):
+        notes = {"added_ttft_s": {"p50": added_p50, "p90": added_p50 * 2, "engine_ttft_s": {"p50": engine_p50}}}
         return {**_fake(tok_s, 0.1, 1.0), "notes": notes}
 
-    def judged(tok_s, added_p50):
-        table = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served": served(tok_s, added_p50)})
+    def judged(tok_s, added_p50, engine_p50=0.002):
+        table = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served": served(tok_s, added_p50, engine_p50)})
         return table, judge_targets("uniform", table, None)[-2:]
 
     table, (share, ttft) = judged(90.0, 0.004)
@@ -162,6 +162,9 @@ def test_served_targets_judge_throughput_share_and_added_ttft():
     _, (share, ttft) = judged(80.0, 0.0065)
     assert (share["status"], ttft["status"]) == ("missed", "missed")
     assert "short by 6%" in share["detail"] and "over by 1.5 ms" in ttft["detail"]
+    # An engine TTFT of 150 ms drifts by more than 5 ms between processes: no verdict.
+    _, (_, ttft) = judged(90.0, 0.0065, engine_p50=0.150)
+    assert ttft["status"] == "n/a" and "not resolvable" in ttft["detail"]
 
 
 # ---------------------------------------------------------------- end to end
@@ -311,6 +314,8 @@ def test_served_app_runs_the_workload_through_grpc(tmp_path, capsys):
     # Two Ray hops and a gRPC proxy cannot be faster than the engine alone.
     assert added["served_ttft_s"]["p50"] > added["engine_ttft_s"]["p50"] > 0
     assert 0 < notes["serve_call_floor_s"]["p50"] <= notes["serve_call_floor_s"]["p90"]
+    # The gRPC path has one hop more than the direct handle call to the same replica.
+    assert added["proxy_and_ingress_s"]["p50"] > 0 and added["replica_handle_ttft_s"]["p50"] > 0
     assert notes["peak_rss_tree_bytes"] > served["peak_rss_bytes"] and notes["processes_at_peak_rss"] > 3
     assert results["ratios"]["served"]["throughput_share"] > 0
     assert [t["status"] in ("reached", "missed") for t in results["targets"][-2:]] == [True, True]

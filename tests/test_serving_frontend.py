@@ -1,6 +1,6 @@
 """The serving path in one process, no Ray: replica + frontend + gRPC methods + OpenAI API.
 
-Engine replicas run ``deployments.fake_engine.FakeAsyncEngine`` (deterministic tokens,
+Engine replicas run ``tests.fake_engine.FakeAsyncEngine`` (deterministic tokens,
 real slot / queue / abort semantics) so these tests are about the serving logic; the
 real engine behind Ray is covered by test_serving_e2e.py.
 """
@@ -24,8 +24,8 @@ from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.replica import EngineReplica
 from deployments.requests import GenerateInput
 from engine.errors import EngineDeadError
+from tests.fake_engine import FakeAsyncEngine
 
-FAKE = "deployments.fake_engine:FakeAsyncEngine"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def tokenizer(tiny_model_dir):
 def make_frontend(tokenizer, replicas=1, api_keys=(), **engine_options):
     options = {"vocab_size": tokenizer.vocab_size, "eos_token_id": 10**6, "max_num_seqs": 4,
                "max_waiting": 4, "step_delay_s": 0.002, **engine_options}
-    reps = [EngineReplica("fake-model", options, FAKE, drain_timeout_s=5) for _ in range(replicas)]
+    reps = [EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=5) for _ in range(replicas)]
     config = FrontendConfig(served_model_name="tiny", model="fake-model", api_keys=tuple(api_keys))
     return Frontend(config, tokenizer, LocalEngineClient(reps)), reps
 

@@ -230,7 +230,9 @@ def test_app_config_rejects_bad_fields_by_name():
              ({"autoscaling": {"speed": 1}}, "autoscaling.speed"),
              ({"replica_resources": {"num_gpus": -1}}, "replica_resources.num_gpus"),
              ({"num_replicas": 2, "autoscaling": {}}, "not both"),
-             ({"api_keys": ["short"]}, "api_keys"), ({"engine": [1]}, "engine must be a mapping")]
+             ({"api_keys": ["short"]}, "api_keys"), ({"engine": [1]}, "engine must be a mapping"),
+             # The test double is not selectable from a config.
+             ({"engine_class": "tests.fake_engine:FakeAsyncEngine"}, "unknown key.*engine_class")]
     for args, needle in cases:
         with pytest.raises(ValueError, match=needle):
             AppConfig.from_args(args)
