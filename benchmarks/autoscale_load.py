@@ -42,6 +42,8 @@ class Outcome:
     asked: int
     """max_tokens of the request."""
     end: float = 0.0
+    first: float = 0.0
+    """When the first tokens arrived (0: none did)."""
     tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str = ""
@@ -53,14 +55,24 @@ class Outcome:
         return (self.error is None and self.finish_reason == "FINISH_REASON_LENGTH"
                 and self.tokens == self.completion_tokens == self.asked)
 
+    @property
+    def shed(self) -> bool:
+        """Refused for overload (RESOURCE_EXHAUSTED), as a full server should."""
+        return (self.error or "").startswith("RESOURCE_EXHAUSTED")
+
 
 class Clients:
     """Streaming clients on threads: closed loop (``add``: each sends its next request when
     its last one ends) or open loop (``add_arrivals``: a request every so often, whatever
-    the ones before are doing)."""
+    the ones before are doing).
 
-    def __init__(self, stub, max_tokens: int, prompt_len: int = 12, vocab: int = 300) -> None:
+    ``retry_wait_s``: a closed-loop client whose request was shed waits this long before its
+    next one, as a client honouring the "retry later" hint would; 0 retries at once."""
+
+    def __init__(self, stub, max_tokens: int, prompt_len: int = 12, vocab: int = 300,
+                 retry_wait_s: float = 0.0) -> None:
         self._stub, self.max_tokens, self._prompt_len, self._vocab = stub, max_tokens, prompt_len, vocab
+        self.retry_wait_s = retry_wait_s
         self._workers: list[tuple[threading.Thread, threading.Event]] = []
         self._lock = threading.Lock()
         self.outcomes: list[Outcome] = []
@@ -102,8 +114,10 @@ class Clients:
     def _loop(self, index: int, stop: threading.Event, max_tokens: int) -> None:
         n = 0
         while not stop.is_set():
-            self._record(self._prompt(index, n), max_tokens)
+            outcome = self._record(self._prompt(index, n), max_tokens)
             n += 1
+            if outcome.shed and self.retry_wait_s > 0:
+                stop.wait(self.retry_wait_s)
 
     def _arrivals(self, index: int, stop: threading.Event, max_tokens: int, interval_s: float) -> None:
         sent: list[threading.Thread] = []
@@ -120,10 +134,11 @@ class Clients:
         # Different prompts: no prefix-cache affinity pulls the streams to one replica.
         return [3 + (index * 31 + n * 7 + k) % self._vocab for k in range(self._prompt_len)]
 
-    def _record(self, prompt: list[int], max_tokens: int) -> None:
+    def _record(self, prompt: list[int], max_tokens: int) -> Outcome:
         outcome = self._one(prompt, max_tokens)
         with self._lock:
             self.outcomes.append(outcome)
+        return outcome
 
     def _one(self, prompt: list[int], max_tokens: int) -> Outcome:
         import grpc
@@ -137,6 +152,8 @@ class Clients:
             self.in_flight += 1
         try:
             for message in self._stub.Generate(request, timeout=600):
+                if message.token_ids and not out.tokens:
+                    out.first = time.time()
                 out.tokens += len(message.token_ids)
                 if message.finish_reason:
                     out.finish_reason = pb.FinishReason.Name(message.finish_reason)

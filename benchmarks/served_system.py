@@ -85,11 +85,15 @@ def with_tokenizer(model_dir: str, scratch: Path) -> str:
 
 
 class TreeRss:
-    """Largest summed RSS of this process and its descendants (Ray's processes), sampled."""
+    """Largest summed RSS of this process and its descendants (Ray's processes), sampled.
+
+    ``samples`` keeps every reading as (time.time(), bytes, processes): the timeline a soak
+    compares its start and end on."""
 
     def __init__(self, period_s: float = RSS_PERIOD_S) -> None:
         self.peak_bytes: int | None = None
         self.processes_at_peak = 0
+        self.samples: list[tuple[float, int, int]] = []
         self._period_s = period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-rss", daemon=True)
@@ -119,6 +123,7 @@ class TreeRss:
                     count += 1
                 except psutil.Error:  # gone between listing and reading
                     continue
+            self.samples.append((time.time(), total, count))
             if self.peak_bytes is None or total > self.peak_bytes:
                 self.peak_bytes, self.processes_at_peak = total, count
             if self._stop.wait(self._period_s):

@@ -23,6 +23,7 @@ from deployments.app_config import AppConfig
 from deployments.frontend import FrontendConfig
 from deployments.ingress import ENGINE_DEPLOYMENT, RouterIngress
 from deployments.replica import ServeEngineReplica
+from deployments.tp_launcher import NOSET_VISIBLE_DEVICES
 
 INGRESS_DEPLOYMENT = "Router"
 
@@ -30,7 +31,8 @@ INGRESS_DEPLOYMENT = "Router"
 def frontend_config(cfg: AppConfig) -> FrontendConfig:
     return FrontendConfig(served_model_name=cfg.model_name, model=cfg.model, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_prompt_chars=cfg.max_prompt_chars, default_max_tokens=cfg.default_max_tokens,
-                          request_timeout_s=cfg.request_timeout_s, api_keys=cfg.api_keys)
+                          request_timeout_s=cfg.request_timeout_s, api_keys=cfg.api_keys,
+                          api_keys_file=cfg.api_keys_file)
 
 
 def _autoscaling_config(cfg: AppConfig):
@@ -51,6 +53,15 @@ def _autoscaling_config(cfg: AppConfig):
     return AutoscalingConfig(target_ongoing_requests=max(1.0, knobs.target_occupancy * max_num_seqs), **common)
 
 
+def _tensor_parallel_placement(cfg: AppConfig) -> dict[str, Any]:
+    """One bundle per rank, all on one node (STRICT_PACK: the ranks share NVLink). The replica
+    actor, rank 0, takes bundle 0; deployments.tp_launcher puts rank r in bundle r."""
+    res = cfg.replica_resources
+    bundle = {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(cfg.tensor_parallel_size)],
+            "placement_group_strategy": "STRICT_PACK"}
+
+
 def engine_deployment_options(cfg: AppConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT,
@@ -64,6 +75,10 @@ def engine_deployment_options(cfg: AppConfig) -> dict[str, Any]:
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
     }
+    if cfg.tensor_parallel_size > 1:
+        options.update(_tensor_parallel_placement(cfg))
+        if cfg.replica_resources.num_gpus:  # every rank sees the node's GPUs (deployments.tp_launcher)
+            options["ray_actor_options"]["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
     if cfg.autoscaling is not None:
         options["autoscaling_config"] = _autoscaling_config(cfg)
     else:
@@ -74,7 +89,8 @@ def engine_deployment_options(cfg: AppConfig) -> dict[str, Any]:
         except ImportError as exc:
             raise ValueError(f"routing 'slot_aware' needs router.request_router ({exc}); "
                              "set routing: default to use Serve's router") from None
-        options["request_router_config"] = request_router_config(period_s=cfg.routing_stats_period_s)
+        options["request_router_config"] = request_router_config(period_s=cfg.routing_stats_period_s,
+                                                                 model_name=cfg.model_name)
     return options
 
 
@@ -90,7 +106,7 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
 def build_app(args: Mapping[str, Any] | None = None) -> Application:
     cfg = AppConfig.from_args(args)
     engine = serve.deployment(ServeEngineReplica, **engine_deployment_options(cfg)).bind(
-        cfg.model, replica_engine_options(cfg), drain_timeout_s=cfg.drain_timeout_s)
+        cfg.model, replica_engine_options(cfg), drain_timeout_s=cfg.drain_timeout_s, model_name=cfg.model_name)
     # The ingress holds the client side of every stream: when the app stops it must outlast
     # the engines' drain, or Serve's default 20 s grace cuts streams the engines still serve.
     ingress = serve.deployment(RouterIngress, name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress.num_replicas,

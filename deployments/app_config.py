@@ -70,7 +70,8 @@ class AutoscalingKnobs:
 
 @dataclass(frozen=True)
 class ReplicaResources:
-    """Ray resources of one engine replica: one GPU each on GPU nodes, CPUs on a laptop."""
+    """Ray resources of one engine replica: one GPU each on GPU nodes, CPUs on a laptop.
+    With ``tensor_parallel_size`` N these are one rank's: a replica reserves N such bundles."""
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -123,6 +124,8 @@ class AppConfig:
     request_timeout_s: float | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    """One key per line, re-read when it changes (a mounted Kubernetes Secret rotates in place)."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty path or model name", self.model)
@@ -145,14 +148,26 @@ class AppConfig:
                "request_timeout_s", "a number > 0 or null", self.request_timeout_s)
         _check(all(isinstance(k, str) and len(k) >= 8 for k in self.api_keys), "api_keys",
                "a list of strings of at least 8 characters", "[redacted]")
+        _check(self.api_keys_file is None or (isinstance(self.api_keys_file, str) and self.api_keys_file),
+               "api_keys_file", "a file path or null", self.api_keys_file)
         try:  # fail now, not later in every replica
             EngineConfig.from_options(self.model, **self.engine_options)
         except ValueError as exc:
             raise ValueError(f"engine: {exc}") from None
+        if self.tensor_parallel_size > 1:  # one placement-group bundle per rank
+            res = self.replica_resources
+            _check(res.num_gpus in (0, 1), "replica_resources.num_gpus",
+                   "0 or 1 with tensor_parallel_size > 1 (it is one rank's share)", res.num_gpus)
+            _check(res.num_cpus > 0 or res.num_gpus > 0, "replica_resources",
+                   "non-zero with tensor_parallel_size > 1 (each rank reserves a bundle)", dataclasses.asdict(res))
 
     @property
     def engine_options(self) -> dict[str, Any]:
         return dict(self.engine)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine_options.get("tensor_parallel_size", 1)
 
     @property
     def model_name(self) -> str:

@@ -83,7 +83,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 def load_serve_config(path: str | Path, http_port: int | None = None, grpc_port: int | None = None) -> dict:
     """A Serve config file, checked by Serve's own schema, with optional port overrides."""
     import yaml
-    from ray.serve.schema import ServeDeploySchema
+    from ray.serve.schema import HTTPOptionsSchema, ServeDeploySchema, gRPCOptionsSchema
 
     with open(path) as f:
         config = yaml.safe_load(f)
@@ -94,6 +94,12 @@ def load_serve_config(path: str | Path, http_port: int | None = None, grpc_port:
     if grpc_port is not None:
         config.setdefault("grpc_options", {})["port"] = grpc_port
     ServeDeploySchema(**config)
+    # Serve's schema ignores unknown keys: a misspelt ssl_certfile would silently serve plain HTTP.
+    for section, schema in (("http_options", HTTPOptionsSchema), ("grpc_options", gRPCOptionsSchema)):
+        unknown = sorted(set(config.get(section) or {}) - set(schema.model_fields))
+        if unknown:
+            raise ValueError(f"{path}: unknown {section} key(s) {', '.join(unknown)}; "
+                             f"allowed: {', '.join(schema.model_fields)}")
     for app in config["applications"]:
         if app.get("deployments"):
             raise ValueError(f"{path}: application {app.get('name')!r} has per-deployment overrides, which "
@@ -121,22 +127,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    http = config.get("http_options") or {}
-    grpc_options = config.get("grpc_options") or {}
-    ray.init(num_cpus=args.num_cpus, include_dashboard=args.dashboard)
+    http = {"host": "127.0.0.1", "port": 8000, **(config.get("http_options") or {})}
+    grpc_options = {"port": 9000, **(config.get("grpc_options") or {})}
+    for key in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):  # HTTPS; fail here, not in the proxy
+        if http.get(key) and not Path(http[key]).is_file():
+            raise ValueError(f"http_options.{key}: {http[key]} is not a file")
+    http_options, grpc_serve_options = HTTPOptions(**http), gRPCOptions(**grpc_options)
+    ray.init(num_cpus=args.num_cpus, include_dashboard=args.dashboard, _metrics_export_port=args.metrics_port)
     try:
-        serve.start(http_options=HTTPOptions(host=http.get("host", "127.0.0.1"), port=http.get("port", 8000)),
-                    grpc_options=gRPCOptions(port=grpc_options.get("port", 9000),
-                                             grpc_servicer_functions=grpc_options.get("grpc_servicer_functions", [])))
+        serve.start(http_options=http_options, grpc_options=grpc_serve_options)
         for app in config["applications"]:
             target = _import_path(app["import_path"])
             application = target(app.get("args") or {}) if callable(target) else target
             serve.run(application, name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"),
                       blocking=False)
-        host = http.get("host", "127.0.0.1")
+        host, scheme = http["host"], "https" if http.get("ssl_certfile") else "http"
         print(f"slotserve is up:\n  gRPC  {host}:{grpc_options.get('port', 9000)} (slotserve.v1.SlotServe, "
-              f"grpc.health.v1.Health; the port listens on all interfaces)\n"
-              f"  HTTP  http://{host}:{http.get('port', 8000)}/v1 (OpenAI API)\nCtrl-C stops it.", flush=True)
+              f"grpc.health.v1.Health; plaintext, on all interfaces)\n"
+              f"  HTTP  {scheme}://{host}:{http['port']}/v1 (OpenAI API)\n"
+              f"  Prometheus metrics  http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics "
+              "(docs/OBSERVABILITY.md)\nCtrl-C stops it.", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)  # a supervisor's stop shuts down like Ctrl-C
         while True:
             time.sleep(1)
@@ -173,6 +183,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=int, help="override grpc_options.port")
     s.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     s.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
+    s.add_argument("--metrics-port", type=int, help="Ray's Prometheus metrics port (default: Ray picks a free one)")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion over gRPC")

@@ -35,6 +35,9 @@ class EngineClient(Protocol):
     async def replica_loads(self) -> list[dict]:
         """``EngineReplica.record_routing_stats()`` of every replica."""
 
+    async def abort(self, request_id: str) -> bool:
+        """Abort the request on whichever replica runs it; False if none does."""
+
 
 class _LocalStream:
     def __init__(self, replica, request: dict) -> None:
@@ -65,7 +68,15 @@ class LocalEngineClient:
         self._next = itertools.cycle(self._replicas)
 
     def generate(self, request: dict) -> EngineStream:
-        return _LocalStream(next(self._next), request)
+        # Serve stops routing to a replica whose health check fails; so does this.
+        for _ in range(len(self._replicas)):
+            replica = next(self._next)
+            if replica.healthy():
+                return _LocalStream(replica, request)
+        return _LocalStream(replica, request)  # none healthy: its error reaches the caller
+
+    async def abort(self, request_id: str) -> bool:
+        return any([replica.abort(request_id) for replica in self._replicas])
 
     async def model_info(self) -> dict:
         return self._replicas[0].model_info()

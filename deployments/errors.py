@@ -20,6 +20,8 @@ class ServingError(Exception):
     http_status = 500
     openai_type = "internal_error"
     openai_code: str | None = None
+    metric_reason: str | None = "internal"
+    """The ``reason`` label of ``slotserve_requests_rejected`` (None: not a rejection)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -35,6 +37,7 @@ class BadRequest(ServingError):
     grpc_code = "INVALID_ARGUMENT"
     http_status = 400
     openai_type = "invalid_request_error"
+    metric_reason = "invalid"
 
 
 class PayloadTooLarge(BadRequest):
@@ -46,6 +49,7 @@ class ModelNotFound(ServingError):
     http_status = 404
     openai_type = "invalid_request_error"
     openai_code = "model_not_found"
+    metric_reason = "invalid"
 
 
 class Unauthenticated(ServingError):
@@ -53,6 +57,7 @@ class Unauthenticated(ServingError):
     http_status = 401
     openai_type = "authentication_error"
     openai_code = "invalid_api_key"
+    metric_reason = "unauthenticated"
 
 
 class Overloaded(ServingError):
@@ -60,24 +65,28 @@ class Overloaded(ServingError):
     http_status = 429
     openai_type = "overloaded_error"
     openai_code = "engine_overloaded"
+    metric_reason = "overloaded"
 
 
 class Unavailable(ServingError):
     grpc_code = "UNAVAILABLE"
     http_status = 503
     openai_type = "service_unavailable"
+    metric_reason = "unavailable"
 
 
 class DeadlineExceeded(ServingError):
     grpc_code = "DEADLINE_EXCEEDED"
     http_status = 504
     openai_type = "timeout"
+    metric_reason = "deadline"
 
 
 class Cancelled(ServingError):
     grpc_code = "CANCELLED"
     http_status = 499  # the de-facto code for "client closed request"
     openai_type = "cancelled"
+    metric_reason = None  # the client went away: nothing was refused
 
 
 # Ray's exception classes, by name: matching names keeps this module (and the unit

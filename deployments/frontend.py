@@ -10,18 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 from deployments.engine_client import EngineClient, EngineStream
-from deployments.errors import (BadRequest, DeadlineExceeded, ModelNotFound, Unauthenticated, Unavailable,
-                                to_serving_error)
+from deployments.errors import (BadRequest, DeadlineExceeded, ModelNotFound, Overloaded, Unauthenticated,
+                                Unavailable, to_serving_error)
+from deployments.metrics import IngressMetrics
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
                                   check_priority, check_request_id, check_text, check_timeout, check_token_ids,
-                                  parse_messages)
+                                  new_request_id, parse_messages)
 from deployments.textstream import TextAssembler, TextDelta
 from engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+MAX_RESUMES = 3
+"""Engine replicas a request may lose mid-stream and still finish on another one."""
+MAX_OVERLOAD_RETRIES = 3
+"""A full replica's refusal is retried this often (on the replica the router picks next)
+before the client sees RESOURCE_EXHAUSTED / 429."""
+RETRY_BACKOFF_S = 0.1
+OFFLOAD_CHARS = 8192
+"""Prompts (or chat messages) this long are tokenized off the event loop."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +50,52 @@ class FrontendConfig:
     default_max_tokens: int = 256
     request_timeout_s: float | None = None
     api_keys: tuple[str, ...] = ()
-    """Empty: no authentication. Otherwise every request must carry one of them."""
+    """Empty (and no ``api_keys_file``): no authentication. Otherwise every request must carry a key."""
+    api_keys_file: str | None = None
+    """One key per line (``#`` comments); re-read when it changes, so keys rotate without a restart."""
+
+
+class ApiKeys:
+    """The accepted keys: the configured ones plus those in a file, re-read once it changes."""
+
+    CHECK_PERIOD_S = 1.0
+    MIN_KEY_CHARS = 8
+
+    def __init__(self, keys: Sequence[str], path: str | None) -> None:
+        self._fixed = tuple(keys)
+        self._path = path
+        self._from_file: tuple[str, ...] = ()
+        self._stamp: tuple[int, int] | None = None
+        self._checked = float("-inf")
+        if path is not None:
+            self._reload()  # a missing or bad file fails the replica at start, not the first request
+
+    def current(self) -> tuple[str, ...]:
+        if self._path is not None and time.monotonic() - self._checked >= self.CHECK_PERIOD_S:
+            try:
+                self._reload()
+            except (OSError, ValueError) as exc:  # keep serving with the last good keys
+                logger.error("api_keys_file %s not reloaded: %s", self._path, exc)
+        return self._fixed + self._from_file
+
+    @property
+    def required(self) -> bool:
+        """A configured keys file asks for a key even while it holds none (fail closed)."""
+        return bool(self._fixed) or self._path is not None
+
+    def _reload(self) -> None:
+        self._checked = time.monotonic()
+        st = os.stat(self._path)
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        with open(self._path, encoding="utf-8") as f:
+            keys = tuple(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
+        short = sum(len(k) < self.MIN_KEY_CHARS for k in keys)
+        if short:
+            raise ValueError(f"{short} key(s) shorter than {self.MIN_KEY_CHARS} characters")
+        self._from_file, self._stamp = keys, stamp
+        logger.info("api_keys_file %s: %d keys", self._path, len(keys))
 
 
 class _Inflight:
@@ -54,17 +113,22 @@ class Frontend:
         self._engine = engine
         self._engine_info: dict | None = None
         self._inflight: dict[str, _Inflight] = {}
+        self._keys = ApiKeys(config.api_keys, config.api_keys_file)
+        self.metrics = IngressMetrics.for_model(config.served_model_name)  # rejections, counted by the protocols
 
     # -- checks every protocol shares ------------------------------------------------
 
     def authorize(self, api_key: str | None) -> None:
         """Accepts ``Bearer <key>`` or a bare key; no-op when no keys are configured."""
-        if not self.config.api_keys:
+        keys = self._keys.current()
+        if not keys and not self._keys.required:
             return
         key = (api_key or "").strip()
         if key.lower().startswith("bearer "):
             key = key[7:].strip()
-        if not key or not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.config.api_keys):
+        # Compare with every key, whatever matches: the time taken says nothing about which one.
+        matches = [hmac.compare_digest(key.encode(), k.encode()) for k in keys]
+        if not key or not any(matches):
             raise Unauthenticated("missing or invalid API key: send 'authorization: Bearer <key>'")
 
     def check_model(self, model: str | None) -> None:
@@ -115,18 +179,27 @@ class Frontend:
             raise BadRequest(f"the chat template rejected these messages: {exc}", param="messages") from None
         return list(ids)
 
+    @staticmethod
+    async def off_loop(size: int, fn, *args):
+        """Long texts are tokenized on a worker thread: a 2 MB prompt must not stall every other
+        stream on this event loop. Short ones stay inline (a thread hop costs more than them)."""
+        if size < OFFLOAD_CHARS:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
     async def prepare(self, inp: GenerateInput) -> PreparedRequest:
         self.check_model(inp.model)
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(inp, name) is not None]
         if len(given) != 1:
             raise BadRequest("give exactly one of prompt, messages or prompt_token_ids"
                              + (f" (got {', '.join(given)})" if given else ""), param="prompt")
-        request_id = check_request_id(inp.request_id)
+        client_request_id = check_request_id(inp.request_id)
         info = await self.engine_info()
         if inp.prompt is not None:
-            ids = self.tokenize_text(inp.prompt)
+            ids = await self.off_loop(len(inp.prompt), self.tokenize_text, inp.prompt)
         elif inp.messages is not None:
-            ids = self.tokenize_messages(inp.messages)
+            size = sum(len(getattr(m, "content", "") or "") for m in inp.messages)
+            ids = await self.off_loop(size, self.tokenize_messages, inp.messages)
         else:
             ids = list(check_token_ids("prompt_token_ids", inp.prompt_token_ids, info["vocab_size"]))
         if not ids:
@@ -137,10 +210,10 @@ class Frontend:
                              param="prompt")
         params = build_sampling_params(inp.sampling, num_prompt_tokens=len(ids), max_model_len=info["max_model_len"],
                                        default_max_tokens=inp.default_max_tokens or self.config.default_max_tokens)
-        return PreparedRequest(request_id=request_id, prompt_token_ids=tuple(ids), params=params,
+        return PreparedRequest(request_id=new_request_id(), prompt_token_ids=tuple(ids), params=params,
                                priority=check_priority(inp.priority),
                                timeout_s=check_timeout(inp.timeout_s, self.config.request_timeout_s),
-                               trace_context=inp.trace_context)
+                               trace_context=inp.trace_context, client_request_id=client_request_id)
 
     # -- streaming -------------------------------------------------------------------
 
@@ -148,20 +221,21 @@ class Frontend:
         """Text deltas until the last one (``finish_reason`` set).
 
         Consume it with ``contextlib.aclosing``: closing it early (client gone) aborts
-        the request in its engine, so the slot is free before the next step.
+        the request in its engine, so the slot is free before the next step. A replica
+        that dies mid-stream costs the client nothing: the request resumes on another one
+        from the tokens already sent (``MAX_RESUMES``), and a full replica's refusal is
+        retried elsewhere (``MAX_OVERLOAD_RETRIES``) before it becomes an error.
         """
-        if req.request_id in self._inflight:
-            raise BadRequest(f"request_id {req.request_id!r} is already running; use a unique id",
-                             param="request_id")
-        assembler = TextAssembler(self.tokenizer, req.request_id, req.params, len(req.prompt_token_ids))
-        engine_stream = self._engine.generate(req.engine_request())
-        inflight = self._inflight[req.request_id] = _Inflight(engine_stream)
+        assembler = TextAssembler(self.tokenizer, req.request_id, req.params, len(req.prompt_token_ids),
+                                  req.client_request_id)
+        inflight = self._inflight[req.request_id] = _Inflight(self._engine.generate(req.engine_request()))
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
+        retries = {"lost": 0, "overloaded": 0}
         engine_done = False
         try:
             while not assembler.finished:
                 try:
-                    message = await _next(engine_stream, deadline)
+                    message = await _next(inflight.stream, deadline)
                 except StopAsyncIteration:
                     engine_done = True
                     yield assembler.abort()
@@ -175,13 +249,44 @@ class Frontend:
                     if inflight.aborted:  # the abort itself ends a remote stream with an error
                         yield assembler.abort()
                         return
-                    raise to_serving_error(exc) from exc
+                    await self._retry_or_raise(req, inflight, assembler, retries, exc)
+                    continue
                 engine_done = message.get("finish_reason") is not None
                 yield assembler.push(message)
         finally:
             self._inflight.pop(req.request_id, None)
             if not engine_done:  # client gone, stop string, deadline or error: free the slot now
-                await engine_stream.aclose()
+                await inflight.stream.aclose()
+
+    async def _retry_or_raise(self, req: PreparedRequest, inflight: "_Inflight", assembler: TextAssembler,
+                              retries: dict[str, int], exc: Exception) -> None:
+        """Send the request again (resumed from the tokens the client has) or raise the error."""
+        err = to_serving_error(exc)
+        kind = "overloaded" if isinstance(err, Overloaded) else "lost" if isinstance(err, Unavailable) else None
+        limit = {"overloaded": MAX_OVERLOAD_RETRIES, "lost": MAX_RESUMES}.get(kind, 0)
+        if kind is None or retries[kind] >= limit:
+            if kind == "lost":
+                raise Unavailable(f"request {req.request_id} lost its engine replica {limit + 1} times and could "
+                                  f"not resume ({err.message})") from exc
+            raise err from exc
+        if kind == "overloaded" and not await self._room_elsewhere():
+            raise err from exc  # every replica is full: tell the client at once
+        retries[kind] += 1
+        done = assembler.token_ids
+        logger.warning("request %s (client id %s): %s; resuming after %d tokens (retry %d of %d)", req.request_id,
+                       req.client_request_id, err.message, len(done), retries[kind], limit)
+        await inflight.stream.aclose()
+        if kind == "lost":  # give Serve a moment to stop routing to the dead replica
+            await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (retries[kind] - 1))
+        inflight.stream = self._engine.generate(req.engine_request(resume_token_ids=done))
+
+    async def _room_elsewhere(self) -> bool:
+        """Whether some healthy replica has a free slot (then the router sends the retry there)."""
+        try:
+            loads = await self._engine.replica_loads()
+        except Exception:  # noqa: BLE001 - no load report: do not retry blind
+            return False
+        return any(r.get("healthy") and r.get("free_slots", 0) > 0 for r in loads)
 
     async def generate_all(self, req: PreparedRequest) -> tuple[str, list[TextDelta]]:
         """The whole output at once (non-streaming APIs)."""
@@ -194,13 +299,21 @@ class Frontend:
             await stream.aclose()
         return "".join(d.text for d in deltas), deltas
 
-    def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> bool:
+        """Abort by the server's request id (as streamed back in every response).
+
+        The stream may be held by another ingress replica: then every engine replica is
+        asked, and the one running it ends the stream with finish reason "abort".
+        """
         inflight = self._inflight.get(request_id)
-        if inflight is None:
-            return False
-        inflight.aborted = True
-        inflight.stream.abort()
-        return True
+        if inflight is not None:
+            inflight.aborted = True
+            inflight.stream.abort()
+            return True
+        try:
+            return await self._engine.abort(request_id)
+        except Exception as exc:
+            raise to_serving_error(exc) from exc
 
     # -- load and health ---------------------------------------------------------------
 

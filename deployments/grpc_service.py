@@ -80,7 +80,8 @@ def _messages(messages: pb.Messages) -> tuple[ChatMessage, ...]:
 
 
 def delta_to_proto(delta: TextDelta) -> pb.GenerateResponse:
-    out = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids,
+    out = pb.GenerateResponse(request_id=delta.request_id, client_request_id=delta.client_request_id or "",
+                              text=delta.text, token_ids=delta.token_ids,
                               finish_reason=_FINISH[delta.finish_reason])
     if delta.usage is not None:
         out.usage.prompt_tokens = delta.usage.prompt_tokens
@@ -109,36 +110,39 @@ class SlotServeGrpcMixin:
 
     async def Generate(self, request, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            self.frontend.authorize(metadata(grpc_context, "authorization"))  # before parsing: no key, no detail
             msg = parse(pb.GenerateRequest, request)
-            self.frontend.authorize(metadata(grpc_context, "authorization"))
             trace = grpc_context.traceparent() if grpc_context is not None else None
             prepared = await self.frontend.prepare(generate_input(msg, trace))
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
                 async for delta in deltas:
                     yield delta_to_proto(delta)
         except Exception as exc:
+            self.frontend.metrics.rejected(exc)
             fail(grpc_context, exc)
 
     async def Abort(self, request, grpc_context=None) -> pb.AbortResponse:
         try:
-            msg = parse(pb.AbortRequest, request)
             self.frontend.authorize(metadata(grpc_context, "authorization"))
+            msg = parse(pb.AbortRequest, request)
             if not msg.request_id:
                 raise BadRequest("request_id is required", param="request_id")
-            return pb.AbortResponse(found=self.frontend.abort(msg.request_id))
+            return pb.AbortResponse(found=await self.frontend.abort(msg.request_id))
         except Exception as exc:
             fail(grpc_context, exc)
 
     async def Tokenize(self, request, grpc_context=None) -> pb.TokenizeResponse:
         try:
-            msg = parse(pb.TokenizeRequest, request)
             self.frontend.authorize(metadata(grpc_context, "authorization"))
+            msg = parse(pb.TokenizeRequest, request)
             self.frontend.check_model(msg.model or None)
             which = msg.WhichOneof("input")
             if which == "text":
-                ids = self.frontend.tokenize_text(msg.text, "text")
+                ids = await self.frontend.off_loop(len(msg.text), self.frontend.tokenize_text, msg.text, "text")
             elif which == "messages":
-                ids = self.frontend.tokenize_messages(_messages(msg.messages))
+                messages = _messages(msg.messages)
+                ids = await self.frontend.off_loop(sum(len(m.content) for m in messages),
+                                                   self.frontend.tokenize_messages, messages)
             else:
                 raise BadRequest("give text or messages to tokenize", param="text")
             info = await self.frontend.engine_info()
@@ -148,16 +152,16 @@ class SlotServeGrpcMixin:
 
     async def GetModelInfo(self, request, grpc_context=None) -> pb.ModelInfo:
         try:
-            parse(pb.GetModelInfoRequest, request)
             self.frontend.authorize(metadata(grpc_context, "authorization"))
+            parse(pb.GetModelInfoRequest, request)
             return pb.ModelInfo(**await self.frontend.model_info())
         except Exception as exc:
             fail(grpc_context, exc)
 
     async def GetLoad(self, request, grpc_context=None) -> pb.LoadReport:
         try:
-            parse(pb.GetLoadRequest, request)
             self.frontend.authorize(metadata(grpc_context, "authorization"))
+            parse(pb.GetLoadRequest, request)
             return load_to_proto(await self.frontend.load())
         except Exception as exc:
             fail(grpc_context, exc)

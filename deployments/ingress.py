@@ -67,6 +67,21 @@ class HandleEngineClient:
         actors = await asyncio.to_thread(self._replica_actors)  # GCS lookups block: keep them off the loop
         return list(await asyncio.gather(*(self._replica_stats(rid, actor) for rid, actor in actors)))
 
+    async def abort(self, request_id: str) -> bool:
+        """Asks every replica: one call each, pinned to it by the slot-aware router (with Serve's
+        default router the calls land where they may, so only some replicas are asked)."""
+        actors = await asyncio.to_thread(self._replica_actors)
+        # One at a time: handle calls made while serving one request share its internal request id,
+        # and Serve's router (2.60) indexes pending calls by it, so a second concurrent call is
+        # never matched to the replica chosen for it and hangs.
+        for rid, _ in actors:
+            try:
+                if await self._handle.abort.remote({"request_id": request_id, "replica_id": rid}) is True:
+                    return True
+            except Exception as exc:  # noqa: BLE001 - a replica going away: ask the others
+                logger.info("abort on replica %s failed: %s", rid, exc)
+        return False
+
     def _replica_actors(self) -> list[tuple[str, object]]:
         import ray
 

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
 from deployments.frontend import Frontend
@@ -26,10 +27,32 @@ from deployments.requests import check_request_id
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """Errors quote client text, which may hold lone surrogates (legal in JSON escapes):
+    ASCII-escaped JSON renders them instead of failing with a bare 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
     headers = {"retry-after": "1"} if err.http_status in (429, 503) else None
-    return JSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
+    return _AsciiJSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
+
+
+async def _read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The body, refused as soon as it is known to pass the limit: never held whole in memory."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise PayloadTooLarge(f"the request body has {declared} bytes; the limit is {max_body_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise PayloadTooLarge(f"the request body passes the limit of {max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _sse(obj: dict) -> str:
@@ -37,17 +60,17 @@ def _sse(obj: dict) -> str:
 
 
 async def _read_json(request: Request, max_body_bytes: int):
-    raw = await request.body()
-    if len(raw) > max_body_bytes:
-        raise PayloadTooLarge(f"the request body has {len(raw)} bytes; the limit is {max_body_bytes}")
+    raw = await _read_body(request, max_body_bytes)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start}); send UTF-8 JSON") from None
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("the request body is not valid JSON: it nests too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
+        raise BadRequest(f"the request body is not valid JSON: {str(exc).split(';')[0]}") from None
 
 
 class OpenAIRoutes:
@@ -115,8 +138,9 @@ class OpenAIRoutes:
             if parsed.stream:
                 return await self._stream(prepared, parsed, builder)
             _, deltas = await self.frontend.generate_all(prepared)
-            return JSONResponse(builder.whole(deltas))
+            return JSONResponse(builder.whole(deltas), headers={"x-request-id": _echo_id(prepared)})
         except Exception as exc:
+            self.frontend.metrics.rejected(exc)
             return error_response(exc)
 
     async def _stream(self, prepared, parsed: ParsedBody, builder: ResponseBuilder) -> Response:
@@ -128,11 +152,17 @@ class OpenAIRoutes:
         except BaseException:
             await deltas.aclose()
             raise
-        return StreamingResponse(_events(first, deltas, parsed, builder), media_type="text/event-stream",
-                                 headers={"x-request-id": prepared.request_id, "cache-control": "no-cache"})
+        return StreamingResponse(_events(first, deltas, parsed, builder, self.frontend.metrics),
+                                 media_type="text/event-stream",
+                                 headers={"x-request-id": _echo_id(prepared), "cache-control": "no-cache"})
 
 
-async def _events(first, deltas: AsyncIterator, parsed: ParsedBody, builder: ResponseBuilder):
+def _echo_id(prepared) -> str:
+    """The client's x-request-id back, or the server's id when it sent none."""
+    return prepared.client_request_id or prepared.request_id
+
+
+async def _events(first, deltas: AsyncIterator, parsed: ParsedBody, builder: ResponseBuilder, metrics):
     try:
         opening = builder.first_chunk()
         if opening is not None:
@@ -147,6 +177,7 @@ async def _events(first, deltas: AsyncIterator, parsed: ParsedBody, builder: Res
             yield _sse(builder.usage_chunk(delta.usage))
         yield "data: [DONE]\n\n"
     except Exception as exc:  # the status line is gone: report in-band, as OpenAI does
+        metrics.rejected(exc)
         err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
         yield _sse(err.openai_body())
     finally:
@@ -157,6 +188,13 @@ def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_
     app = FastAPI(title="slotserve", description="OpenAI-compatible API of slotserve", docs_url="/docs",
                   redoc_url=None)
     routes = OpenAIRoutes(frontend, max_body_bytes)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # Unknown paths (404) and wrong methods (405): OpenAI's error body like every other error.
+        body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
+                          "type": "invalid_request_error", "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])

@@ -10,6 +10,8 @@ in-process with a fake engine (tests/fake_engine.py). What Serve calls on it:
 - ``record_autoscaling_stats()``: ``slot_occupancy``, ``waiting`` and ``max_num_seqs`` for
   the autoscaler (router.autoscale).
 - ``check_health()``: raises when the engine loop is dead or stuck; Serve replaces us.
+- Prometheus metrics (deployments.metrics): gauges and counters from the engine's stats on a
+  periodic task, each request's latencies when its stream ends; none in the step loop.
 - ``__del__`` (ServeEngineReplica): stop taking requests, drain running ones for up to
   ``drain_timeout_s``, then shut the engine down.
 """
@@ -23,6 +25,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+from deployments.metrics import EngineMetrics, Recorder, recorder_for
 from engine.errors import EngineDeadError
 from engine.outputs import StreamOutput
 
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_ENGINE_CLASS = "engine.async_engine:AsyncEngine"
 PREFIX_DIGEST_ENTRIES = 4096
 ABORT_GRACE_S = 2.0  # after the drain timeout: time for aborted streams to end before the engine stops
+METRICS_PERIOD_S = 1.0  # gauges from the stats snapshot; Ray exports every metrics_report_interval_ms
 _local_ids = itertools.count()
 
 
@@ -61,16 +65,27 @@ def _replica_id() -> str:
 
 class EngineReplica:
     def __init__(self, model: str, engine_options: dict[str, Any] | None = None,
-                 engine_class: str | type = DEFAULT_ENGINE_CLASS, drain_timeout_s: float = 30.0) -> None:
+                 engine_class: str | type = DEFAULT_ENGINE_CLASS, drain_timeout_s: float = 30.0,
+                 model_name: str | None = None, metrics: Recorder | None = None) -> None:
+        """``model_name``: the served name, the metrics' ``model_name`` label (default ``model``);
+        ``metrics``: where they go (default: Ray's metrics in a Ray worker, else nowhere)."""
         if not isinstance(drain_timeout_s, (int, float)) or drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be a non-negative number, got {drain_timeout_s!r}")
         self._model = model
-        self._engine = import_engine_class(engine_class).from_options(model, **(engine_options or {}))
+        options = dict(engine_options or {})
+        if options.get("tensor_parallel_size", 1) > 1:  # rank workers in this replica's placement group
+            from deployments.tp_launcher import RayRankLauncher
+            options["launcher"] = RayRankLauncher()
+        self._engine = import_engine_class(engine_class).from_options(model, **options)
         self._drain_timeout_s = float(drain_timeout_s)
         self._accepting = True
         self._active: set[str] = set()
         self.replica_id = _replica_id()
         self._shutdown_done = False
+        self._metrics = EngineMetrics(metrics if metrics is not None else recorder_for(model_name or model))
+        self._metrics_task: asyncio.Task | None = None
+        self._metrics_failed = False
+        self._start_metrics_loop()  # Serve builds replicas on their event loop; else on the first request
 
     @property
     def engine(self):
@@ -82,15 +97,25 @@ class EngineReplica:
             raise EngineDeadError("this replica is shutting down and takes no new requests")
         rid = request["request_id"]
         stream = self._engine.generate(request["prompt_token_ids"], request["params"], request_id=rid,
-                                       priority=request.get("priority", 0))
+                                       priority=request.get("priority", 0),
+                                       resume_token_ids=request.get("resume_token_ids", ()))
         self._active.add(rid)
+        self._start_metrics_loop()
+        request_metrics = self._metrics.request()
         finished = False
         try:
             async for out in stream:
+                request_metrics.on_message(out)
                 finished = out.finished
+                if finished:  # done here, even if the consumer never asks for more
+                    self._active.discard(rid)
+                    request_metrics.on_end(out)
                 yield stream_message(out)
                 if finished:
                     break
+        except (GeneratorExit, asyncio.CancelledError):
+            request_metrics.on_end(None)  # the caller went away: counted as an abort (no-op if done)
+            raise
         finally:
             self._active.discard(rid)
             if not finished:  # cancelled or closed early: free the slot before the next step
@@ -99,9 +124,14 @@ class EngineReplica:
             if aclose is not None:
                 await aclose()
 
-    def abort(self, request_id: str) -> None:
-        """The request's stream then ends with finish_reason "abort"."""
+    def abort(self, request: str | dict) -> bool:
+        """Abort by server request id (or ``{"request_id": ...}``, the form a pinned handle call
+        carries); the stream then ends with finish_reason "abort". False: not running here."""
+        request_id = request["request_id"] if isinstance(request, dict) else request
+        if request_id not in self._active:
+            return False
         self._engine.abort(request_id)
+        return True
 
     def model_info(self) -> dict:
         config = self._engine.config
@@ -110,7 +140,7 @@ class EngineReplica:
                 "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
                 "replica_id": self.replica_id}
 
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
         try:
             self._engine.check_health()
         except Exception:
@@ -120,11 +150,14 @@ class EngineReplica:
     def record_routing_stats(self) -> dict:
         """The routing contract (keys the router relies on), plus a few for GetLoad."""
         s = self._engine.stats()
-        return {"free_slots": s.free_slots, "running": s.running, "waiting": s.waiting,
+        # Streams this replica has taken that the engine has not counted yet (still in its
+        # inbox): without them a burst looks like an empty replica and piles onto it.
+        arriving = max(0, len(self._active) - s.running - s.waiting)
+        return {"free_slots": max(0, s.free_slots - arriving), "running": s.running, "waiting": s.waiting + arriving,
                 "max_num_seqs": s.max_num_seqs, "kv_blocks_used": s.kv_blocks_used,
                 "kv_blocks_total": s.kv_blocks_total, "block_size": s.block_size,
                 "prefix_hashes": list(self._engine.prefix_digest(PREFIX_DIGEST_ENTRIES)),
-                "healthy": self._healthy(), "updated_at": time.time(),
+                "healthy": self.healthy(), "updated_at": time.time(),
                 # not read by the router; reported by GetLoad
                 "replica_id": self.replica_id, "kv_usage": s.kv_usage, "slot_occupancy": s.slot_occupancy,
                 "num_finished": s.num_finished, "prefix_cache_hits": s.prefix_cache_hits,
@@ -139,8 +172,32 @@ class EngineReplica:
     def check_health(self) -> None:
         self._engine.check_health()
 
+    def publish_metrics(self) -> None:
+        """Gauges and counter deltas from the engine's stats snapshot, and its per-step token counts."""
+        drain = getattr(self._engine, "drain_step_tokens", None)  # test engines may lack it
+        self._metrics.record_stats(self._engine.stats(), drain() if drain is not None else [])
+
+    def _start_metrics_loop(self) -> None:
+        if self._metrics_task is not None or not self._metrics.enabled or self._shutdown_done:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # built outside an event loop: start with the first request
+            return
+        self._metrics_task = loop.create_task(self._metrics_loop())
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            try:
+                self.publish_metrics()
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                if not self._metrics_failed:
+                    logger.exception("recording metrics failed (logged once)")
+                self._metrics_failed = True
+            await asyncio.sleep(METRICS_PERIOD_S)
+
     def stats(self) -> dict:
-        return {**self._engine.stats().as_dict(), "replica_id": self.replica_id, "healthy": self._healthy()}
+        return {**self._engine.stats().as_dict(), "replica_id": self.replica_id, "healthy": self.healthy()}
 
     async def shutdown(self) -> None:
         """Stop taking requests, let running ones finish (up to drain_timeout_s), stop the engine."""
@@ -148,6 +205,8 @@ class EngineReplica:
             return
         self._shutdown_done = True
         self._accepting = False
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
         deadline = time.monotonic() + self._drain_timeout_s
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

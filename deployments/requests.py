@@ -12,14 +12,14 @@ import dataclasses
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from deployments.errors import BadRequest
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
+from engine.tokenizer import CHAT_ROLES
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"extra", "n"}
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 1024
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
@@ -57,22 +57,34 @@ class PreparedRequest:
     """A validated, tokenized request, ready for an engine replica."""
 
     request_id: str
+    """The server's id (``new_request_id``): the engine's key, never chosen by a client."""
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     """As the client asked, stop strings included (the ingress applies them to the text)."""
     priority: int = 0
     timeout_s: float | None = None
     trace_context: str | None = None
+    client_request_id: str | None = None
+    """The client's own id, if it sent one: logged and echoed back, never a key."""
 
-    def engine_request(self) -> dict:
+    def engine_request(self, resume_token_ids: Sequence[int] = ()) -> dict:
         """The dict sent to ``EngineReplica.generate``: token ids only, no text.
 
         Routers read ``prompt_token_ids`` from it (the first positional argument) to
-        match cached prefixes.
+        match cached prefixes. ``resume_token_ids``: output tokens the client already has
+        (a replica died mid-stream); the engine recomputes them and goes on from there.
         """
         engine_params = dataclasses.replace(self.params, stop=(), include_stop_str_in_output=False)
-        return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                "params": engine_params, "priority": self.priority, "trace_context": self.trace_context}
+        request = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
+                   "params": engine_params, "priority": self.priority, "trace_context": self.trace_context}
+        if resume_token_ids:
+            request["resume_token_ids"] = list(resume_token_ids)
+        return request
+
+
+def new_request_id() -> str:
+    """An unguessable server-side id: knowing it is what lets a client abort its request."""
+    return uuid.uuid4().hex
 
 
 def check_text(name: str, value: Any, max_chars: int) -> str:
@@ -144,12 +156,13 @@ def check_token_ids(name: str, value: Any, vocab_size: int | None) -> tuple[int,
     return tuple(value)
 
 
-def check_request_id(value: Any) -> str:
+def check_request_id(value: Any) -> str | None:
+    """A client's own request id (None when it sent none): echoed back and logged, never a key."""
     if value is None or value == "":
-        return uuid.uuid4().hex
+        return None
     if not isinstance(value, str) or len(value) > MAX_REQUEST_ID_CHARS or not value.isprintable():
         raise BadRequest(f"request_id must be a printable string of at most {MAX_REQUEST_ID_CHARS} "
-                         "characters (or empty to let the server pick one)", param="request_id")
+                         "characters (or empty)", param="request_id")
     return value
 
 
@@ -190,8 +203,11 @@ def build_sampling_params(fields: Mapping[str, Any], *, num_prompt_tokens: int, 
                          f"model's context is {max_model_len}: at most {room} tokens can be generated",
                          param="max_tokens")
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
     except InvalidRequestError as exc:
         raise BadRequest(str(exc), param=str(exc).split(" ", 1)[0]) from None
     except TypeError as exc:  # e.g. stop=5: not iterable
         raise BadRequest(f"invalid sampling value: {exc}") from None
+    for stop in params.stop:  # a lone surrogate (JSON allows one) could never match the text
+        check_text("stop", stop, len(stop))
+    return params

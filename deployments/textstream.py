@@ -38,6 +38,7 @@ class TextDelta:
     """What one engine step adds to one request's output."""
 
     request_id: str
+    """The server's id (what Abort takes)."""
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
@@ -45,14 +46,20 @@ class TextDelta:
     """None while running; "stop", "length" or "abort" on the last delta."""
     usage: Usage | None = None
     """Set on the last delta."""
+    client_request_id: str | None = None
+    """The client's own id, echoed back."""
 
 
 class TextAssembler:
     """Turns one request's engine messages into text deltas."""
 
-    def __init__(self, tokenizer, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def __init__(self, tokenizer, request_id: str, params: SamplingParams, num_prompt_tokens: int,
+                 client_request_id: str | None = None) -> None:
         self._tokenizer = tokenizer
         self._request_id = request_id
+        self._client_request_id = client_request_id
+        self.token_ids: list[int] = []
+        """Every output token passed on so far: where a resumed request picks up."""
         self._want_logprobs = params.logprobs is not None
         self._num_top = params.logprobs or 0
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
@@ -81,6 +88,7 @@ class TextAssembler:
             if not stopped and self._stop is not None:
                 pieces.append(self._stop.flush())
         self._num_output_tokens += len(ids)
+        self.token_ids.extend(ids)
         self._num_cached_tokens = message.get("num_cached_tokens", self._num_cached_tokens)
         logprobs = None
         if self._want_logprobs:
@@ -89,7 +97,8 @@ class TextAssembler:
         if finish:
             self.finished = True
             usage = Usage(self._num_prompt_tokens, self._num_output_tokens, self._num_cached_tokens)
-        return TextDelta(self._request_id, "".join(pieces), tuple(ids), logprobs, finish, usage)
+        return TextDelta(self._request_id, "".join(pieces), tuple(ids), logprobs, finish, usage,
+                         self._client_request_id)
 
     def _add(self, text: str, pieces: list[str]) -> bool:
         """Append text (through the stop matcher); True when a stop string matched."""
@@ -106,7 +115,8 @@ class TextAssembler:
         if not self._add(self._detok.flush(), pieces) and self._stop is not None:
             pieces.append(self._stop.flush())
         usage = Usage(self._num_prompt_tokens, self._num_output_tokens, self._num_cached_tokens)
-        return TextDelta(self._request_id, "".join(pieces), (), () if self._want_logprobs else None, "abort", usage)
+        return TextDelta(self._request_id, "".join(pieces), (), () if self._want_logprobs else None, "abort", usage,
+                         self._client_request_id)
 
     def _logprob(self, token_id: int, alternatives: dict) -> TokenLogprob:
         ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self._num_top]

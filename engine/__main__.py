@@ -21,13 +21,24 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="devices (CPU: processes) to shard the model over (default 1)")
     gen.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        return _generate(llm, args)
+    finally:
+        llm.shutdown()
+
+
+def _generate(llm, args) -> int:
+    from engine import SamplingParams
+
     prompts = args.prompts
     if args.chat:
         prompts = [{"prompt": p, "prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])}

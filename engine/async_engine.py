@@ -4,6 +4,11 @@ The loop thread owns the LLMEngine; other threads talk to it through an inbox (a
 aborts, applied before the next step) and receive outputs through their event loop, one
 ``call_soon_threadsafe`` per step and loop. A slow consumer never slows the loop: its
 stream coalesces everything that arrived since it last looked into one message.
+
+Faults: when the loop dies or the engine is shut down, every open stream fails with
+EngineDeadError and new requests are refused at once (registration and closing share a
+lock, so no stream is left waiting). ``check_health`` raises when the loop has died, or
+when it has work and no step has finished for ``stuck_timeout_s`` (an engine option).
 """
 
 from __future__ import annotations
@@ -71,16 +76,20 @@ def _merge(items: list[StreamOutput]) -> StreamOutput:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, stuck_timeout_s: float = 120.0) -> None:
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, launcher=None) -> None:
+        """``launcher``: starts tensor-parallel rank workers (see LLMEngine)."""
+        self.engine = LLMEngine(config, launcher)
         self.config = config
-        self.stuck_timeout_s = stuck_timeout_s
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Guards _streams and _closed together: a request registers before the loop's death
+        # (and is failed by it) or after (and sees _closed), never in between.
+        self._lock = threading.Lock()
+        self._closed: str | None = None
         self._stop = False
-        self._error: BaseException | None = None
-        self._heartbeat = time.monotonic()
+        # Time of the last finished step (or of going busy); None while idle: never stuck.
+        self._progress_at: float | None = None
         self._stats = self.engine.stats()
         self._digest: list[int] = []
         self._digest_time = 0.0
@@ -88,8 +97,8 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_options(cls, model: str, **options) -> "AsyncEngine":
-        return cls(EngineConfig.from_options(model, **options))
+    def from_options(cls, model: str, launcher=None, **options) -> "AsyncEngine":
+        return cls(EngineConfig.from_options(model, **options), launcher)
 
     # Properties frontends need without touching the loop thread's state.
     @property
@@ -106,23 +115,18 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[StreamOutput]:
-        """Submit a request and stream its outputs; closing the stream aborts the request."""
+                       request_id: str | None = None, priority: int = 0,
+                       resume_token_ids: Sequence[int] = ()) -> AsyncIterator[StreamOutput]:
+        """Submit a request and stream its outputs; closing the stream aborts the request.
+
+        ``resume_token_ids``: see ``LLMEngine.add_request``."""
         self.check_health()
         params = params or SamplingParams()
         prompt = self.engine.check_request(prompt_token_ids, params, priority)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        # Requests still in the inbox will first fill free slots; only the rest will wait.
-        waiting = self._stats.waiting + max(0, len(self._inbox) - self._stats.free_slots)
-        if waiting >= self.config.scheduler.max_waiting:
-            raise EngineOverloadedError(f"engine queue is full ({waiting} waiting, max_waiting "
-                                        f"{self.config.scheduler.max_waiting}); retry later or on another replica")
         stream = _Stream(asyncio.get_running_loop())
-        self._streams[request_id] = stream
-        self._inbox.append(("add", request_id, prompt, params, priority, time.monotonic()))
-        self._wake.set()
+        self._register(request_id, stream, ("add", request_id, prompt, params, priority, time.monotonic(),
+                                                tuple(resume_token_ids)))
         finished = False
         try:
             while not finished:
@@ -134,6 +138,23 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def _register(self, request_id: str, stream: _Stream, add: tuple) -> None:
+        """Open the stream and queue its add, or raise; never concurrently with ``_close``."""
+        with self._lock:
+            if self._closed is not None:
+                raise EngineDeadError(self._closed)
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+            # Requests still in the inbox will first fill free slots; only the rest will wait.
+            waiting = self._stats.waiting + max(0, len(self._inbox) - self._stats.free_slots)
+            if waiting >= self.config.scheduler.max_waiting:
+                raise EngineOverloadedError(f"engine queue is full ({waiting} waiting, max_waiting "
+                                            f"{self.config.scheduler.max_waiting}); retry later or on another "
+                                            "replica")
+            self._streams[request_id] = stream
+            self._inbox.append(add)
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
         self._wake.set()
@@ -142,19 +163,23 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop:
+                # Clear before draining: an add that lands after the drain has set the event
+                # again, so the wait below returns at once (no lost wake-up).
                 self._wake.clear()
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
+                    self._progress_at = None
                     self._publish([])
                     self._wake.wait(IDLE_WAIT_S)
                     continue
-                self._publish(self.engine.step())
+                if self._progress_at is None:  # going busy: the stuck clock starts now
+                    self._progress_at = time.monotonic()
+                outputs = self.engine.step()
+                self._progress_at = time.monotonic()
+                self._publish(outputs)
         except BaseException as exc:  # noqa: BLE001 - the loop must report any death
             logger.exception("engine loop died")
-            self._error = exc
-            dead = EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}")
-            for stream in list(self._streams.values()):
-                stream.loop.call_soon_threadsafe(stream.fail, dead)
+            self._close(f"engine loop died: {type(exc).__name__}: {exc}")
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -162,31 +187,39 @@ class AsyncEngine:
             if item[0] == "abort":
                 self.engine.abort(item[1])
                 continue
-            _, rid, prompt, params, priority, arrival = item
+            _, rid, prompt, params, priority, arrival, resume = item
             try:
-                self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival)
+                self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival, resume_token_ids=resume)
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 stream = self._streams.get(rid)
                 if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.fail, exc)
+                    _call_soon(stream.loop, stream.fail, exc)
 
     def _publish(self, outputs: list[StreamOutput]) -> None:
-        self._heartbeat = time.monotonic()
+        now = time.monotonic()
         self._stats = self.engine.stats()
-        if self._heartbeat - self._digest_time > DIGEST_REFRESH_S:
+        if now - self._digest_time > DIGEST_REFRESH_S:
             self._digest = self.engine.prefix_digest(4096)
-            self._digest_time = self._heartbeat
+            self._digest_time = now
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, StreamOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, pairs in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, pairs)
-            except RuntimeError:  # that event loop is closed: its consumers are gone
+            if not _call_soon(loop, _deliver, pairs):  # that event loop is closed: its consumers are gone
                 for stream, out in pairs:
                     self.abort(out.request_id)
+
+    def _close(self, reason: str) -> None:
+        """Refuse new requests and fail every open stream with EngineDeadError(reason)."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+            reason = self._closed
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            _call_soon(stream.loop, stream.fail, EngineDeadError(reason))
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> EngineStats:
@@ -195,19 +228,45 @@ class AsyncEngine:
     def prefix_digest(self, max_entries: int = 4096) -> list[int]:
         return self._digest[-max_entries:] if max_entries > 0 else []
 
+    def drain_step_tokens(self) -> list[int]:
+        """Tokens computed per step since the last call (for metrics; any thread)."""
+        steps = self.engine.step_tokens
+        return [steps.popleft() for _ in range(len(steps))]  # popleft: safe against the loop's appends
+
     def check_health(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"engine loop died: {type(self._error).__name__}: {self._error}")
+        """Raise EngineDeadError if the loop died, was shut down, or has work but made no
+        progress (no step finished) for more than ``stuck_timeout_s``."""
+        if self._closed is not None:
+            raise EngineDeadError(self._closed)
         if not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
-        silent = time.monotonic() - self._heartbeat
-        if silent > self.stuck_timeout_s:
-            raise EngineDeadError(f"engine loop stuck: no step finished for {silent:.0f} s")
+        since = self._progress_at  # one read: the loop may set it to None meanwhile
+        silent = 0.0 if since is None else time.monotonic() - since
+        if silent > self.config.stuck_timeout_s:
+            raise EngineDeadError(f"engine loop stuck: no step finished for {silent:.1f} s "
+                                  f"(stuck_timeout_s {self.config.stuck_timeout_s:g})")
+        try:
+            self.engine.check_health()  # tensor-parallel ranks (engine.tp)
+        except EngineDeadError as exc:
+            self._close(str(exc))  # streams fail now, not when a collective times out
+            raise
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Fail open streams, refuse new requests, stop the loop (waiting up to ``timeout_s``)."""
+        self._close("engine was shut down")
         self._stop = True
         self._wake.set()
         self._thread.join(timeout_s)
+        self.engine.shutdown()  # tensor-parallel rank workers, if any
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """``call_soon_threadsafe``; False when that event loop is already closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _deliver(pairs: list[tuple[_Stream, StreamOutput]]) -> None:

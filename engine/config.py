@@ -103,13 +103,16 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    rank: int = 0
+    """Devices of one node this engine spans (engine.tp): rank 0 schedules and samples."""
+    distributed_timeout_s: float = 60.0
+    """Longest wait of a collective between ranks: a hung rank fails the engine after this."""
 
     def __post_init__(self) -> None:
         _check(_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
                "tensor_parallel_size", "a positive integer", self.tensor_parallel_size)
-        _check(_int(self.rank) and 0 <= self.rank < self.tensor_parallel_size, "rank",
-               f"an integer in [0, {self.tensor_parallel_size})", self.rank)
+        _check(isinstance(self.distributed_timeout_s, (int, float)) and not isinstance(self.distributed_timeout_s, bool)
+               and math.isfinite(self.distributed_timeout_s) and self.distributed_timeout_s > 0,
+               "distributed_timeout_s", "a finite number > 0", self.distributed_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,20 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads. Set it to the CPUs a replica owns: two replicas each spinning
     OpenMP teams over the same cores slow every op by orders of magnitude."""
+    stuck_timeout_s: float = 30.0
+    """AsyncEngine health: with work to do and no step finished for this long, the loop is
+    stuck. It must exceed the slowest step (the first one warms the model up; without
+    chunked prefill one step holds a whole prompt). A hang shows within this plus one
+    health-check period; set it near ``health_check_period_s`` where steps are short."""
 
     def __post_init__(self) -> None:
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"one of {ATTENTION_BACKENDS}", self.attention_backend)
         _check(self.num_threads is None or (_int(self.num_threads) and self.num_threads >= 1),
                "num_threads", "a positive integer or None", self.num_threads)
+        _check(isinstance(self.stuck_timeout_s, (int, float)) and not isinstance(self.stuck_timeout_s, bool)
+               and math.isfinite(self.stuck_timeout_s) and self.stuck_timeout_s > 0,
+               "stuck_timeout_s", "a finite number > 0", self.stuck_timeout_s)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":
@@ -139,7 +150,7 @@ class EngineConfig:
                     "parallel": ParallelConfig}
         kwargs: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
-        top_fields = {"attention_backend", "profile", "num_threads"}
+        top_fields = {"attention_backend", "profile", "num_threads", "stuck_timeout_s"}
         owners = {f.name: name for name, klass in sections.items() for f in dataclasses.fields(klass)}
         for key, value in options.items():
             if key in top_fields:

@@ -7,12 +7,14 @@ bad input before anything is queued.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
 import random
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -20,7 +22,6 @@ from engine.config import EngineConfig
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.kv.block_manager import BlockManager
 from engine.model import ModelArch
-from engine.parallel import ParallelGroup
 from engine.outputs import FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
 from engine.request import Request
 from engine.runner import ModelRunner
@@ -29,6 +30,7 @@ from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 256
+STEP_TOKENS_KEPT = 4096
 
 
 def _generation_eos_ids(path: Path) -> set[int]:
@@ -43,8 +45,9 @@ def _generation_eos_ids(path: Path) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, group: ParallelGroup | None = None) -> None:
-        """``group``: this process's place among a replica's tensor-parallel ranks (default: alone)."""
+    def __init__(self, config: EngineConfig, launcher=None) -> None:
+        """``launcher``: how tensor-parallel rank workers start (engine.tp.launcher.RankLauncher;
+        default: local processes). Unused at tensor_parallel_size 1."""
         from engine.models_hub import resolve_model
 
         self.config = config
@@ -54,7 +57,15 @@ class LLMEngine:
         self.model_path = Path(resolve_model(config.model.model))
         self.arch = ModelArch.from_dir(self.model_path)
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(config, self.model_path, self.arch, self.max_model_len, group)
+        self._timings: dict[str, float] | None = {} if config.profile else None
+        self.tp = None  # rank 0's handle on the other tensor-parallel ranks (engine.tp)
+        if config.parallel.tensor_parallel_size > 1:
+            from engine.tp.driver import start_tensor_parallel
+            self.tp, self.runner = start_tensor_parallel(config, self.model_path, self.arch, self.max_model_len,
+                                                         launcher, self._timings)
+            weakref.finalize(self, self.tp.shutdown)  # no orphan workers if shutdown() is never called
+        else:
+            self.runner = ModelRunner(config, self.model_path, self.arch, self.max_model_len)
         bs = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         # A request can never hold more tokens than the pool, or it would preempt itself forever.
@@ -65,9 +76,10 @@ class LLMEngine:
         self._seq = itertools.count()
         self._rng = random.Random(config.model.seed)
         self._pending: list[StreamOutput] = []
+        # Tokens computed per step, for the serving layer's metrics to pop (bounded: nobody may read).
+        self.step_tokens: collections.deque[int] = collections.deque(maxlen=STEP_TOKENS_KEPT)
         self._stats = EngineStats(max_num_seqs=config.scheduler.max_num_seqs,
                                   kv_blocks_total=self.runner.num_blocks, block_size=bs)
-        self._timings: dict[str, float] | None = {} if config.profile else None
         logger.info("engine ready: %s (%s), max_model_len %d, %d KV blocks x %d tokens, %s on %s",
                     self.model_path.name, self.arch.architecture, self.max_model_len, self.runner.num_blocks,
                     bs, self.runner.dtype, self.runner.device)
@@ -116,9 +128,14 @@ class LLMEngine:
         return prompt
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    resume_token_ids: Sequence[int] = ()) -> str:
+        """Queue a request. ``resume_token_ids``: output tokens it already produced elsewhere (a
+        replica died mid-stream); they are recomputed like a preempted request's, counted in
+        ``max_tokens`` and in the seeded sampler's positions, and not emitted again."""
         params = params or SamplingParams()
         prompt = self.check_request(prompt_token_ids, params, priority)
+        resumed = self._check_resume(prompt, params, resume_token_ids)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} chars")
@@ -131,9 +148,25 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, prompt, params, priority, next(self._seq), self.max_total_tokens, seed,
                       self.eos_token_ids, arrival_time)
+        req.token_ids.extend(resumed)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _check_resume(self, prompt: list[int], params: SamplingParams, resume: Sequence[int]) -> list[int]:
+        resumed = list(resume)
+        if not resumed:
+            return resumed
+        vocab = self.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in resumed):
+            raise InvalidRequestError(f"resume_token_ids must be integers in [0, {vocab})")
+        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+            raise InvalidRequestError(f"resume_token_ids has {len(resumed)} tokens; max_tokens "
+                                      f"({params.max_tokens}) leaves nothing to generate")
+        if len(prompt) + len(resumed) >= self.max_total_tokens:
+            raise InvalidRequestError(f"prompt and resumed tokens ({len(prompt) + len(resumed)}) leave no room "
+                                      f"within {self.max_total_tokens} tokens")
+        return resumed
 
     def abort(self, request_id: str) -> bool:
         """Drop a request; its slot and blocks are free before the next step."""
@@ -165,7 +198,12 @@ class LLMEngine:
         if sched.empty:
             self._refresh_stats()
             return outputs
-        reqs, tokens, logprobs = self.runner.execute(sched.chunks, timings)
+        try:
+            reqs, tokens, logprobs = self.runner.execute(sched.chunks, timings)
+        except Exception as exc:
+            if self.tp is not None:  # a lost rank or a failed collective: the ranks are out of step
+                raise self.tp.fail(exc) from exc
+            raise
         t1 = time.perf_counter()
         self.scheduler.after_step(sched)
         now = time.monotonic()
@@ -173,6 +211,7 @@ class LLMEngine:
             outputs.append(self._append_token(req, tok, lp, now))
         self._stats.num_steps += 1
         self._stats.num_generated_tokens += len(tokens)
+        self.step_tokens.append(sched.num_batched_tokens)
         self._refresh_stats()
         if timings is not None:
             timings["output"] = timings.get("output", 0.0) + time.perf_counter() - t1
@@ -209,6 +248,17 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
             timing=req.timing)
 
+    # ------------------------------------------------------------------ tensor-parallel ranks
+    def check_health(self) -> None:
+        """Raise EngineDeadError when a tensor-parallel rank is gone (nothing to check alone)."""
+        if self.tp is not None:
+            self.tp.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank workers (nothing to do alone); no steps after this."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
     # ------------------------------------------------------------------ observability
     def _refresh_stats(self) -> None:
         s = self._stats
@@ -229,4 +279,5 @@ class LLMEngine:
         return snap
 
     def prefix_digest(self, max_entries: int = 4096) -> list[int]:
-        return self.block_manager.recent_hashes(max_entries)
+        """Routing keys (engine.kv.hashing.routing_key) of recently used cached blocks, newest last."""
+        return self.block_manager.recent_routing_keys(max_entries)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError
 from engine.outputs import FINISH_STOP, CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
 
@@ -24,6 +25,10 @@ class LLM:
         except ModelLoadError:
             logger.warning("no tokenizer in %s: token-id prompts only, no text output", self.engine.model_path)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank workers, if any (they also stop at interpreter exit)."""
+        self.engine.shutdown()
 
     def _encode(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -51,33 +56,62 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for (_, ids), params, prio in zip(encoded, params_list, prios):  # reject before scheduling anything
             self.engine.check_request(ids, params, prio)
-        ids_in_order = []
         trackers: dict[str, _TextTracker] = {}
+        todo = []
         for (text, ids), params, prio in zip(encoded, params_list, prios):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            self.engine.add_request(ids, params, rid, prio)
-            ids_in_order.append(rid)
             trackers[rid] = _TextTracker(rid, text, ids, params, self.tokenizer)
-        self._run(trackers, use_tqdm)
-        return [trackers[rid].result() for rid in ids_in_order]
+            todo.append((rid, ids, params, prio))
+        # Fed in the scheduler's own order, so priorities hold even beyond the queue bound.
+        self._run(collections.deque(sorted(todo, key=lambda item: item[3])), trackers, use_tqdm)
+        return [tracker.result() for tracker in trackers.values()]  # in prompt order
 
-    def _run(self, trackers: dict[str, "_TextTracker"], use_tqdm: bool) -> None:
+    def _run(self, todo: collections.deque, trackers: dict[str, "_TextTracker"], use_tqdm: bool) -> None:
+        """Step until all is done, adding requests as the engine's bounded queue has room.
+
+        On any exception (a model error, KeyboardInterrupt) what this call added is aborted,
+        so the engine is left holding nothing.
+        """
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(trackers), desc="generating", unit="req")
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                tracker = trackers.get(out.request_id)
-                if tracker is None:
-                    continue
-                if tracker.push(out) and not out.finished:
-                    self.engine.abort(out.request_id)  # a stop string matched
-                if tracker.done and bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while todo or self.engine.has_unfinished():
+                self._feed(todo)
+                for out in self.engine.step():
+                    tracker = trackers.get(out.request_id)
+                    if tracker is None or tracker.done:
+                        continue
+                    if tracker.push(out) and not out.finished:
+                        self.engine.abort(out.request_id)  # a stop string matched
+                    if tracker.done and bar is not None:
+                        bar.update(1)
+        except BaseException:
+            self._abort_all(trackers)  # aborting one never added or already done is a no-op
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _feed(self, todo: collections.deque) -> None:
+        """Add requests until the engine's waiting queue is full (``max_waiting``)."""
+        while todo:
+            rid, ids, params, prio = todo[0]
+            try:
+                self.engine.add_request(ids, params, rid, prio)
+            except EngineOverloadedError:
+                if not self.engine.has_unfinished():
+                    raise  # max_waiting=0: no finishing request will ever make room
+                return
+            todo.popleft()
+
+    def _abort_all(self, rids: Iterable[str]) -> None:
+        for rid in rids:
+            self.engine.abort(rid)
+        if not self.engine.requests:
+            self.engine.step()  # nothing left to run: only hands back the abort messages
 
 
 class _TextTracker:

@@ -42,7 +42,7 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.num_hashed_blocks = 0       # leading full blocks already registered in the prefix cache
-        self.last_block_hash = ROOT_HASH
+        self.last_block_hash = ROOT_HASH  # digest of the last registered block: the next one's parent
         self.num_cached_tokens = 0       # prompt tokens served from the prefix cache at first admission
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

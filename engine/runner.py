@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -43,22 +44,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, arch: ModelArch, max_model_len: int,
-                 group: ParallelGroup | None = None) -> None:
+                 group: ParallelGroup | None = None, device: str | None = None,
+                 agree_blocks: Callable[[int, int], int] | None = None) -> None:
+        """``group``/``device``: this rank's place and device (default: alone, ``config.model.device``).
+        ``agree_blocks(blocks, param_bytes)``: with tensor parallelism, the KV pool size every
+        rank can hold (each sizes its own from its memory)."""
         self.config = config
         self.group = group or ParallelGroup()
-        self.device = resolve_device(config.model.device)
+        self.device = torch.device(device) if device is not None else resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
-        tp = self.group.world_size
-        self.backend = create_backend(config.attention_backend, self.device, arch.num_heads // tp,
-                                      max(1, arch.num_kv_heads // tp), arch.head_dim, self.block_size)
+        heads = self.group.heads(arch.num_heads, arch.num_kv_heads)
+        self.backend = create_backend(config.attention_backend, self.device, heads.q_count, heads.kv_count,
+                                      arch.head_dim, self.block_size)
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.num_layers = arch.num_layers
-        self.num_blocks = self._pool_size(max_model_len)
+        blocks = self._pool_size(max_model_len)
+        self.num_blocks = agree_blocks(blocks, self.param_bytes) if agree_blocks is not None else blocks
         self.kv_caches = [self.backend.allocate_cache(self.num_blocks, self.dtype, self.device)
                           for _ in range(arch.num_layers)]
         self.sampler = Sampler()
-        self.profile = config.profile
+        self.send_step: Callable[[list], None] | None = None
+        """Rank 0 with tensor parallelism: hands each step to the other ranks before running it."""
 
     def _pool_size(self, max_model_len: int) -> int:
         cache = self.config.cache
@@ -83,14 +91,18 @@ class ModelRunner:
         return blocks
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, chunks: list[ScheduledChunk]):
+    def prepare(self, chunks: list):
         return build_step_inputs(chunks, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], timings: dict[str, float] | None = None):
         """Run one step; returns (requests that sampled, their tokens, their logprobs)."""
         t0 = time.perf_counter()
-        reqs, input_ids, positions, meta, logits_idx = self.prepare(chunks)
+        if self.send_step is not None:
+            self.send_step(chunks)
+        tb = time.perf_counter()
+        sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks)
+        reqs = [c.request for c in sampling]
         t1 = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         if timings is not None and self.device.type == "cuda":
@@ -102,7 +114,16 @@ class ModelRunner:
             tokens, logprobs = self.sampler(logits, SamplingBatch.build(reqs, self.device))
         t3 = time.perf_counter()
         if timings is not None:
-            timings["prepare"] = timings.get("prepare", 0.0) + (t1 - t0)
+            if self.send_step is not None:
+                timings["tp_broadcast"] = timings.get("tp_broadcast", 0.0) + (tb - t0)
+            timings["prepare"] = timings.get("prepare", 0.0) + (t1 - tb)
             timings["forward"] = timings.get("forward", 0.0) + (t2 - t1)
             timings["sample"] = timings.get("sample", 0.0) + (t3 - t2)
         return reqs, tokens, logprobs
+
+    @torch.inference_mode()
+    def follow(self, chunks: list) -> None:
+        """A step rank 0 scheduled, on another tensor-parallel rank: the same inputs and the same
+        collectives; the logits go to rank 0, which samples."""
+        _, input_ids, positions, meta, logits_idx = self.prepare(chunks)
+        self.model(input_ids, positions, self.kv_caches, meta, logits_idx)

@@ -9,7 +9,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-MAX_SEED = 2**63 - 1
+MAX_INT64 = 2**63 - 1
+MAX_SEED = MAX_INT64
 
 
 def _err(name: str, allowed: str, value: Any) -> ValueError:
@@ -77,8 +78,9 @@ class SamplingParams:
             raise _err("temperature", "a number in [0, 100]", self.temperature)
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise _err("top_p", "a number in (0, 1]", self.top_p)
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise _err("top_k", "an integer >= 1, or 0 / -1 to disable", self.top_k)
+        # The bound keeps it an int64 (the sampler's tensor): a bigger one killed the engine loop.
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT64:
+            raise _err("top_k", f"an integer in [1, {MAX_INT64}], or 0 / -1 to disable", self.top_k)
         if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise _err("min_p", "a number in [0, 1]", self.min_p)
         if not _is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:

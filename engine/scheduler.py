@@ -33,6 +33,17 @@ class ScheduledChunk:
         """Whether this chunk reaches the request's last known token, so it yields logits."""
         return self.start + self.num_tokens == self.request.num_tokens
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens computed in this step."""
+        return self.request.token_ids[self.start:self.start + self.num_tokens]
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The request's block table. It only grows while the request runs; anything else
+        (preemption, readmission, finishing) assigns a new list (engine.tp relies on it)."""
+        return self.request.block_ids
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

@@ -15,7 +15,10 @@ from typing import Any
 
 from engine.errors import InvalidRequestError, ModelLoadError
 
-ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+"""OpenAI's roles. "developer" is its newer name for "system", and is rendered as such: chat
+templates written before it know only "system"."""
+_TEMPLATE_ROLE = {"developer": "system"}
 
 # Byte-level and byte-fallback decoders render an incomplete UTF-8 sequence as U+FFFD.
 _REPLACEMENT = "\ufffd"
@@ -99,11 +102,11 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(message, Mapping):
             raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'")
         role = message.get("role")
-        if role not in ALLOWED_ROLES:
+        if role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"messages[{i}].role must be one of {', '.join(ALLOWED_ROLES)}, got {role!r}"
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
             )
-        clean.append({"role": role, "content": _content_text(message.get("content"), i)})
+        clean.append({"role": _TEMPLATE_ROLE.get(role, role), "content": _content_text(message.get("content"), i)})
     return clean
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -182,6 +183,40 @@ def _sustain(direction: int, proposal: int, current: int, cfg: AutoscaleConfig,
 
 _KNOBS = ("target_occupancy", "hysteresis", "upscale_delay_s", "downscale_delay_s", "slots_per_replica")
 _SERVE_LOGGER = logging.getLogger("ray.serve")  # the controller's log file; plain loggers go nowhere there
+_GAUGE_HELP = {
+    "slotserve_autoscaler_desired_replicas": "Replicas SlotOccupancyPolicy asks for (after bounds and delays).",
+    "slotserve_autoscaler_current_replicas": "Replicas running, as the policy saw them.",
+    "slotserve_autoscaler_demand": "Demand in replicas' worth of slots (occupancy + queued / slots).",
+}
+AUTOSCALER_METRICS = dict.fromkeys(_GAUGE_HELP, "gauge")
+"""Prometheus gauges the policy records from Serve's controller (tags: application, deployment)."""
+
+
+class _PolicyGauges:
+    """The policy's decisions as Prometheus gauges. The policy runs in Serve's controller, a
+    Ray actor but no replica: plain ``ray.util.metrics`` (ray.serve.metrics would add nothing).
+    Never lets a metrics failure reach the policy."""
+
+    def __init__(self) -> None:
+        self._gauges: dict | None = None
+        self._failed = False
+
+    def record(self, ctx: Any, desired: int, demand: float) -> None:
+        ray = sys.modules.get("ray")
+        if self._failed or ray is None or not ray.is_initialized():  # unit tests, offline use
+            return
+        try:
+            if self._gauges is None:
+                from ray.util.metrics import Gauge
+                self._gauges = {name: Gauge(name, help_, tag_keys=("application", "deployment"))
+                                for name, help_ in _GAUGE_HELP.items()}
+            tags = {"application": str(ctx.app_name or ""), "deployment": str(ctx.deployment_name)}
+            values = (desired, ctx.current_num_replicas, demand)
+            for gauge, value in zip(self._gauges.values(), values):
+                gauge.set(float(value), tags)
+        except Exception as exc:  # noqa: BLE001 - no ray, or an odd context: scale anyway
+            self._failed = True
+            _SERVE_LOGGER.warning("SlotOccupancyPolicy: autoscaler metrics disabled: %s", exc)
 
 
 def metrics_from_context(ctx: Any) -> list[ReplicaMetrics]:
@@ -212,6 +247,7 @@ class SlotOccupancyPolicy:
         self._knobs = dict(knobs)
         self._configs: dict[tuple[int, int], AutoscaleConfig] = {}
         self._warned_serve_delays = False
+        self._gauges = _PolicyGauges()
 
     def __call__(self, ctx: Any) -> tuple[int, dict]:
         hi = int(ctx.capacity_adjusted_max_replicas)
@@ -226,8 +262,9 @@ class SlotOccupancyPolicy:
         self._warn_on_serve_delays(ctx.config)
         queued = ctx.total_queued_requests or 0.0
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        desired, new_state, _ = decide(metrics_from_context(ctx), int(ctx.target_num_replicas), cfg, state, now,
-                                       extra_waiting=float(queued), log=_SERVE_LOGGER)
+        desired, new_state, reason = decide(metrics_from_context(ctx), int(ctx.target_num_replicas), cfg, state,
+                                            now, extra_waiting=float(queued), log=_SERVE_LOGGER)
+        self._gauges.record(ctx, desired, reason["demand"])
         return desired, new_state
 
     def _warn_on_serve_delays(self, serve_config: Any) -> None:

@@ -1,14 +1,14 @@
 """Which engine replica should take a request: the slot-aware ranking, pure.
 
-No ray and no engine imports: the request's block hashes come in already computed
-(``engine.kv.hashing.prefix_block_hashes``), so the whole policy is unit-tested
+No ray and no engine imports: the request's block routing keys come in already computed
+(``engine.kv.hashing.prefix_routing_keys``), so the whole policy is unit-tested
 without a cluster. ``router.request_router`` feeds it from Ray Serve.
 
 Each replica publishes routing stats (``record_routing_stats``), a dict of:
 
     free_slots, running, waiting, max_num_seqs,       ints >= 0 (max_num_seqs >= 1)
     kv_blocks_used, kv_blocks_total, block_size,      ints >= 0 (block_size >= 1)
-    prefix_hashes: list[int]                          recently cached full-block hashes
+    prefix_hashes: list[int]                          routing keys of recently cached full blocks
     healthy: bool, updated_at: float                  time.time() at the replica
 
 Stats that are missing, malformed or older than ``stale_after_s`` make a replica
@@ -24,6 +24,9 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 DEFAULT_LOAD_SLACK = 0.25
 DEFAULT_DIGEST_ENTRIES = 512
+ROUTING_DECISIONS_METRIC = "slotserve_routing_decisions"
+"""Counter recorded by ``router.request_router``, label ``reason``: one of ``ROUTING_REASONS``."""
+ROUTING_REASONS = ("prefix", "load", "fallback")
 _INT_FIELDS = ("free_slots", "running", "waiting", "max_num_seqs", "kv_blocks_used", "kv_blocks_total",
                "block_size")
 
@@ -130,6 +133,10 @@ class Ranking:
     """Replica ids, best first; Serve tries each inner list in turn (lowest queue length within one)."""
     saturated: bool
     """No replica is known to have room: the request will queue in an engine (or Serve backs off)."""
+    reason: str = "load"
+    """Why the first choice: ``prefix`` (a replica with room holding the request's prefix),
+    ``load`` (a replica with room, no cached prefix) or ``fallback`` (none known to have room:
+    stats missing or stale, all full, or unhealthy)."""
 
 
 def rank_replicas(
@@ -181,11 +188,15 @@ def rank_replicas(
                 full.append((c.load, tie, c.replica_id))
 
     ranks: list[list[Hashable]] = [[rid] for rid in _order_with_room(room, load_slack)]
+    reason = "fallback"
+    if ranks:
+        first = ranks[0][0]
+        reason = "prefix" if next(m for _, m, _, rid in room if rid == first) > 0 else "load"
     ranks += _power_of_two(unknown, rng)
     ranks += [[rid] for _, _, rid in sorted(full, key=lambda x: x[:2])]
     if sick:
         ranks.append(sick)
-    return Ranking(ranks=ranks, saturated=not room and not unknown)
+    return Ranking(ranks=ranks, saturated=not room and not unknown, reason=reason)
 
 
 def _order_with_room(room: list[tuple[float, int, float, Hashable]], load_slack: float) -> list[Hashable]:
@@ -208,16 +219,17 @@ def _power_of_two(unknown: list[Hashable], rng: random.Random) -> list[list[Hash
 def make_prefix_digest(hashes: Iterable[int], max_entries: int = DEFAULT_DIGEST_ENTRIES) -> list[int]:
     """The ``prefix_hashes`` a replica publishes: the newest ``max_entries`` distinct hashes.
 
-    ``hashes`` are ordered oldest to newest, as ``BlockManager.recent_hashes`` returns
-    them. The digest travels in every routing-stats broadcast, so keep it in the hundreds.
+    ``hashes`` (``engine.kv.hashing.routing_key`` values) are ordered oldest to newest, as
+    ``BlockManager.recent_routing_keys`` returns them. The digest travels in every
+    routing-stats broadcast, so keep it in the hundreds.
     """
     if not _is_int(max_entries) or max_entries < 0:
         raise ValueError(f"max_entries must be an integer >= 0, got {max_entries!r}")
     newest_first: list[int] = []
     seen: set[int] = set()
     for h in reversed(list(hashes)):
-        if not _is_int(h) or h < 0:
-            raise ValueError(f"hashes must be non-negative ints from engine.kv.hashing, got {h!r}")
+        if not _is_int(h) or not 0 <= h < 2**63:
+            raise ValueError(f"hashes must be 63-bit routing keys from engine.kv.hashing, got {h!r}")
         if h in seen:
             continue
         if len(newest_first) >= max_entries:
@@ -242,6 +254,8 @@ class RouterSettings:
     """How much busier (in load units) a replica may be and still win on a prefix hit."""
     seed: int | None = None
     """Seed for tie-breaking; None draws from the OS."""
+    model_name: str = ""
+    """The ``model_name`` label of the router's metrics (the served model name)."""
 
     def __post_init__(self) -> None:
         if not _is_number(self.stale_after_s) or self.stale_after_s <= 0:
@@ -254,6 +268,8 @@ class RouterSettings:
             raise ValueError(f"load_slack must be a number in [0, 1], got {self.load_slack!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.model_name, str):
+            raise ValueError(f"model_name must be a string, got {self.model_name!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> RouterSettings:

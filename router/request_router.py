@@ -14,16 +14,18 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ray.serve import metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from engine.kv.hashing import prefix_block_hashes
-from router.policy import ReplicaLoad, RouterSettings, rank_replicas
+from engine.kv.hashing import prefix_routing_keys
+from router.policy import ROUTING_DECISIONS_METRIC, ReplicaLoad, RouterSettings, rank_replicas
 
 logger = logging.getLogger("ray.serve")
 
 ROUTER_CLASS_PATH = "router.request_router.SlotAwareRequestRouter"
 _SATURATION_LOG_PERIOD_S = 10.0
+_TRANSIT_GRACE_S = 0.25
 
 
 def request_router_config(period_s: float = 0.5, **router_kwargs: Any) -> RequestRouterConfig:
@@ -48,12 +50,24 @@ def request_router_config(period_s: float = 0.5, **router_kwargs: Any) -> Reques
     )
 
 
+def _request_dict(pending_request: PendingRequest | None) -> Mapping | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, Mapping) else None
+
+
+def pinned_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica a call names (``{"replica_id": ...}``): an abort sent to every replica in turn."""
+    request = _request_dict(pending_request)
+    target = request.get("replica_id") if request is not None else None
+    return target if isinstance(target, str) else None
+
+
 def prompt_token_ids(pending_request: PendingRequest | None) -> list[int]:
     """The prompt of a ``generate(request_dict)`` call; [] for anything else (``stats()``...)."""
-    if pending_request is None or not pending_request.args:
-        return []
-    request = pending_request.args[0]
-    if not isinstance(request, Mapping):
+    request = _request_dict(pending_request)
+    if request is None:
         return []
     ids = request.get("prompt_token_ids")
     return ids if isinstance(ids, (list, tuple)) else []
@@ -80,6 +94,7 @@ class SlotAwareRequestRouter(RequestRouter):
         self._sent: dict[ReplicaID, dict[str, float]] = {}
         self._reported_problems: set[ReplicaID] = set()
         self._last_saturation_log = 0.0
+        self._decisions: metrics.Counter | None = None  # made on first use, once the settings are known
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Receives ``request_router_kwargs``: the ``RouterSettings`` fields."""
@@ -98,21 +113,40 @@ class SlotAwareRequestRouter(RequestRouter):
             context.should_backoff = True
         if not candidate_replicas:
             return []
+        target = pinned_replica(pending_request)
+        if target is not None:
+            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            if pinned:
+                return [pinned]
         now = time.time()
         loads = [self._load_of(r) for r in candidate_replicas]
         prompt = prompt_token_ids(pending_request)
-        hashes = []
+        hashes: list[int] = []
         if prompt and self._settings.max_prefix_blocks:
-            hashes = prefix_block_hashes(prompt, _block_size(loads, self._settings.block_size),
-                                         max_blocks=self._settings.max_prefix_blocks)
+            try:
+                hashes = prefix_routing_keys(prompt, _block_size(loads, self._settings.block_size),
+                                             max_blocks=self._settings.max_prefix_blocks)
+            except ValueError:  # ids no engine accepts: route on load, the replica rejects the request
+                pass
         ranking = rank_replicas(loads, hashes, now, self._rng, self._settings.stale_after_s,
                                 prompt_len=len(prompt), load_slack=self._settings.load_slack)
+        if prompt:  # a generate call (not stats / model_info)
+            self._record_decision(ranking.reason)
         if ranking.saturated and now - self._last_saturation_log > _SATURATION_LOG_PERIOD_S:
             self._last_saturation_log = now
             logger.info("All %d replicas of %s are full; requests queue in the engines.",
                         len(loads), self._deployment_id)
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[rid] for rid in rank] for rank in ranking.ranks]
+
+    def _record_decision(self, reason: str) -> None:
+        # One per routing attempt: a request Serve re-routes (all ranks refused) counts again.
+        if self._decisions is None:
+            self._decisions = metrics.Counter(ROUTING_DECISIONS_METRIC, "Routing decisions by why the first "
+                                              "choice won: prefix, load or fallback.",
+                                              tag_keys=("model_name", "reason"))
+            self._decisions.set_default_tags({"model_name": self._settings.model_name})
+        self._decisions.inc(1, {"reason": reason})
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._sent.setdefault(replica_id, {})[pending_request.metadata.internal_request_id] = time.time()
@@ -141,8 +175,9 @@ class SlotAwareRequestRouter(RequestRouter):
         sent = self._sent.get(replica.replica_id)
         if not sent or not load.known:
             return load
-        # Requests sent before the stats were taken are in them already; forget those.
-        for request_id in [k for k, t in sent.items() if t <= load.updated_at]:
+        # Requests sent well before the stats were taken are in them already; forget those. The
+        # grace covers the trip to the replica, during which a request is in no stats.
+        for request_id in [k for k, t in sent.items() if t <= load.updated_at - _TRANSIT_GRACE_S]:
             del sent[request_id]
         return load.with_extra_running(len(sent))
 

@@ -28,6 +28,14 @@ def tiny_model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer, as the ingress loads it."""
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA (and, for the flash backend, flash-attn): skipped elsewhere."""
     import torch

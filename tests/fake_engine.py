@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from engine.kv.hashing import prefix_block_hashes
+from engine.kv.hashing import prefix_routing_keys
 from engine.outputs import EngineStats, RequestTiming, StreamOutput
 from engine.sampling import SamplingParams
 
@@ -51,6 +51,7 @@ class FakeAsyncEngine:
         self._stats = EngineStats(max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size,
                                   kv_blocks_total=config.cache.num_kv_blocks or 256)
         self._loop_task: asyncio.Task | None = None
+        self._step_tokens: list[int] = []
         self._dead: str | None = None
         self._stopped = False
 
@@ -63,12 +64,16 @@ class FakeAsyncEngine:
     # -- the AsyncEngine interface ---------------------------------------------------
 
     async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[StreamOutput]:
+                       priority: int = 0, resume_token_ids=()) -> AsyncIterator[StreamOutput]:
         req = self._submit(list(prompt_token_ids), params, request_id or uuid.uuid4().hex, priority)
+        req.output = list(resume_token_ids)  # already sent by another replica: not emitted again
+        req.emitted = len(req.output)
         try:
             while True:
                 await req.wake.wait()
                 req.wake.clear()
+                if self._dead is not None and req.finish_reason is None:
+                    raise EngineDeadError(self._dead)  # as the real engine fails its open streams
                 out = self._drain(req)
                 if out is not None:
                     yield out
@@ -96,6 +101,10 @@ class FakeAsyncEngine:
     def prefix_digest(self, max_entries: int) -> list[int]:
         return list(self._digest)[-max_entries:]
 
+    def drain_step_tokens(self) -> list[int]:
+        steps, self._step_tokens = self._step_tokens, []
+        return steps
+
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -108,9 +117,15 @@ class FakeAsyncEngine:
             self.abort(rid)
 
     def kill(self, reason: str = "the engine loop died (killed by a test)") -> None:
-        """Test hook: make the loop dead, as a crashed step would."""
+        """Test hook: make the loop dead, as a crashed step would: open streams fail."""
         self._dead = reason
-        self.shutdown()
+        self._stopped = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for req in list(self._running.values()) + list(self._waiting.values()):
+            req.wake.set()
+        self._running.clear()
+        self._waiting.clear()
 
     # -- internals -------------------------------------------------------------------
 
@@ -144,23 +159,29 @@ class FakeAsyncEngine:
         while self._waiting and len(self._running) < max_seqs:
             rid, req = self._waiting.popitem(last=False)
             self._running[rid] = req
-            hashes = prefix_block_hashes(req.prompt, self.config.cache.block_size)
+            req.timing.first_scheduled_time = req.timing.first_scheduled_time or time.monotonic()
+            hashes = prefix_routing_keys(req.prompt, self.config.cache.block_size)
             self._stats.prefix_cache_queries += len(req.prompt)
             self._stats.prefix_cache_hits += self.config.cache.block_size * sum(h in self._digest for h in hashes)
             for h in hashes:
                 self._digest[h] = None
                 self._digest.move_to_end(h)
+        generated = len(self._running)
         for rid, req in list(self._running.items()):
             last = (req.output or req.prompt)[-1]
             token = (last * 31 + 7) % self.vocab_size
             req.output.append(token)
+            req.timing.first_token_time = req.timing.first_token_time or time.monotonic()
             self._check_finished(req, token)
             if req.finish_reason is not None:
+                req.timing.finished_time = time.monotonic()
                 del self._running[rid]
                 self._stats.num_finished += 1
             req.wake.set()
         self._stats.num_steps += 1
-        self._stats.num_generated_tokens += len(self._running)
+        self._stats.num_generated_tokens += generated
+        if generated:
+            self._step_tokens.append(generated)
         self._stats.last_step_time = time.monotonic()
 
     def _check_finished(self, req: _Req, token: int) -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 
 import pytest
 
 from engine import AsyncEngine, EngineDeadError, EngineOverloadedError, InvalidRequestError, LLM, SamplingParams
+from engine import async_engine
+from tests.waits import async_wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -158,3 +162,141 @@ def test_health_fails_after_the_loop_dies(tiny_model_dir):
     with pytest.raises(EngineDeadError):
         eng.check_health()
     eng.shutdown()
+
+
+# ----------------------------------------------------------------------------- loop faults
+class _StepGate:
+    """Stands in for LLMEngine.step: signals ``entered``, blocks until ``release``, then
+    raises ``error`` (the loop dies) or runs the real step."""
+
+    def __init__(self, engine, error: BaseException | None = None) -> None:
+        self.step, self.error = engine.step, error
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self):
+        self.entered.set()
+        if not self.release.wait(10):
+            raise RuntimeError("step gate never released")
+        if self.error is not None:
+            raise self.error
+        return self.step()
+
+
+@pytest.fixture()
+def small_engine(tiny_model_dir):
+    engines = []
+
+    def build(**options):
+        engines.append(AsyncEngine.from_options(str(tiny_model_dir), dtype="float32", block_size=8,
+                                                num_kv_blocks=32, **options))
+        return engines[-1]
+
+    yield build
+    for eng in engines:
+        eng.shutdown(timeout_s=5)
+
+
+def test_a_request_registering_while_the_loop_dies_fails(small_engine, monkeypatch):
+    eng = small_engine()
+    gate = _StepGate(eng.engine, RuntimeError("simulated kernel failure"))
+    monkeypatch.setattr(eng.engine, "step", gate)
+    check_request = eng.engine.check_request
+
+    def check_then_let_the_loop_die(prompt, *args):
+        out = check_request(prompt, *args)
+        if prompt == [9, 9, 9]:  # past the health check, not yet registered: the loop dies now
+            gate.release.set()
+            eng._thread.join(5)
+            assert not eng._thread.is_alive()
+        return out
+
+    monkeypatch.setattr(eng.engine, "check_request", check_then_let_the_loop_die)
+
+    async def run():
+        first = asyncio.create_task(_collect(eng, [5, 6, 7]))
+        assert await asyncio.to_thread(gate.entered.wait, 5)
+        with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+            await asyncio.wait_for(_collect(eng, [9, 9, 9]), 5)  # without the fix: waits forever
+        with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+            await asyncio.wait_for(first, 5)
+
+    asyncio.run(run())
+
+
+def test_shutdown_fails_open_streams_and_refuses_new_requests(small_engine, monkeypatch):
+    eng = small_engine()
+    gate = _StepGate(eng.engine)
+    monkeypatch.setattr(eng.engine, "step", gate)
+
+    async def run():
+        task = asyncio.create_task(_collect(eng, [5, 6, 7]))
+        assert await asyncio.to_thread(gate.entered.wait, 5)
+        eng.shutdown(timeout_s=0)  # the loop is mid-step; the stream must not wait for it
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(task, 5)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(_collect(eng, [1, 2, 3]), 5)
+
+    asyncio.run(run())
+    with pytest.raises(EngineDeadError, match="shut down"):
+        eng.check_health()
+    gate.release.set()
+    eng._thread.join(5)
+    assert not eng._thread.is_alive()
+
+
+def test_a_loop_without_progress_fails_health_and_an_idle_one_never(small_engine, monkeypatch):
+    timeout = 1.0  # as if check_health were called every `timeout` seconds: caught within two calls
+    eng = small_engine(stuck_timeout_s=timeout)
+    time.sleep(timeout * 1.5)  # idle for longer than the timeout
+    eng.check_health()
+    gate = _StepGate(eng.engine)
+    monkeypatch.setattr(eng.engine, "step", gate)
+
+    async def run():
+        task = asyncio.create_task(_collect(eng, [5, 6, 7]))
+        assert await asyncio.to_thread(gate.entered.wait, 5)
+        eng.check_health()  # one step under way is not stuck yet
+        error = await async_wait_until(lambda: _health_error(eng), "stuck loop reported", timeout_s=2 * timeout)
+        assert "engine loop stuck" in error
+        gate.release.set()  # progress again: healthy again
+        toks, _ = await asyncio.wait_for(task, 10)
+        assert len(toks) == GREEDY.max_tokens
+        eng.check_health()
+
+    asyncio.run(run())
+
+
+def _health_error(eng) -> str | None:
+    try:
+        eng.check_health()
+    except EngineDeadError as exc:
+        return str(exc)
+    return None
+
+
+class _WaitSpy(threading.Event):
+    """The loop's wake event, telling the test when the loop has gone to sleep on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeping = threading.Event()
+
+    def wait(self, timeout=None):
+        self.sleeping.set()
+        return super().wait(timeout)
+
+
+def test_an_add_wakes_the_idle_loop_at_once(small_engine, monkeypatch):
+    eng = small_engine()
+    monkeypatch.setattr(async_engine, "IDLE_WAIT_S", 600.0)  # a missed wake-up would hang
+    old, spy = eng._wake, _WaitSpy()
+    eng._wake = spy
+    old.set()  # get the loop off the old event
+    assert spy.sleeping.wait(5)
+
+    async def run():
+        return await asyncio.wait_for(_collect(eng, [5, 6, 7]), 10)
+
+    toks, _ = asyncio.run(run())
+    assert len(toks) == GREEDY.max_tokens

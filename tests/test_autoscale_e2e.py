@@ -21,27 +21,33 @@ from benchmarks.autoscale_load import (Clients, Monitor, calls_across, generate_
                                        replica_stop_times, serve_log_dir)
 from deployments.grpc_registration import SERVICER_FUNCTIONS
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+from tests.waits import wait_until
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 REPO = str(Path(__file__).resolve().parents[1])
 APP = "slotserve"
 SLOTS = 8
+# A model whose context fits the long streams below; the shape is the tiny test model's.
+MAX_POS = 12_800
 ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": SLOTS, "max_waiting": 32, "block_size": 16,
-          "num_kv_blocks": 256, "max_model_len": 512}
+          "num_kv_blocks": 8192, "max_model_len": MAX_POS}
 KNOBS = {"min_replicas": 1, "max_replicas": 2, "target_occupancy": 0.75, "upscale_delay_s": 1.0,
-         "downscale_delay_s": 3.0, "metrics_interval_s": 0.5, "look_back_period_s": 1.0}
+         "downscale_delay_s": 6.0, "metrics_interval_s": 0.5, "look_back_period_s": 1.0}
 MAX_TOKENS = 200
-STEP_CLIENTS = 14   # on one replica of 8 slots: full, 6 waiting -> scale up
-# Then 4 streams: half a replica's worth of slots -> one replica is enough. The router
-# sends each new request to the less loaded replica, so both keep some of the trickle
-# and the one that stops is streaming when it does.
 TRICKLE_CLIENTS = 4
+STEP_CLIENTS = 14   # on one replica of 8 slots: full, 6 waiting -> scale up
+# After the step, streams long enough to outlive the scale-down (12k decode steps: 20 s or
+# more here, against the ~7 s from the load drop to the stop). One runs on each replica
+# before the count drops, so whichever replica Serve stops is streaming when it does; a
+# few on 2 x 8 slots is one replica's worth, so the count goes back to 1.
+LONG_TOKENS = 12_000
+MAX_LONG_CLIENTS = 6
 # Bounds for a loaded 2-core machine, where most of a scale-up is the new replica's
 # process start and imports competing with the streams for CPU (5-10 s idle, 30 s seen
 # with other work on the host). The measured times are printed (pytest -s).
 SCALE_UP_BOUND_S = 60.0
-SCALE_DOWN_BOUND_S = 45.0
+SCALE_DOWN_BOUND_S = 60.0
 
 
 def _free_port() -> int:
@@ -51,12 +57,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+def cluster(tmp_path_factory):
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from deployments.app import build_app
+    from tests.factories import make_model_dir
+
+    model_dir = make_model_dir(tmp_path_factory.mktemp("long-llama"), "llama", seed=0, max_pos=MAX_POS)
 
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "PYTHONPATH")}
     os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -67,9 +76,9 @@ def cluster(tiny_model_dir):
         grpc_port = _free_port()
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=_free_port()),
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
-        app = build_app({"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE,
+        app = build_app({"model": str(model_dir), "served_model_name": "tiny", "engine": ENGINE,
                          "autoscaling": KNOBS, "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
-                         "drain_timeout_s": 20})
+                         "drain_timeout_s": 240})
         serve.run(app, name=APP, route_prefix="/")
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         yield serve, slotserve_pb2_grpc.SlotServeStub(channel)
@@ -91,9 +100,25 @@ def _new_replica(sample, first: str) -> str | None:
     return busy[0] if busy else None
 
 
+def _long_stream_on_every_replica(monitor, long_clients) -> None:
+    """Start long streams one at a time until every replica runs one.
+
+    The slot-aware router sends each new request to the less loaded replica, so this
+    takes two or three requests; the bound only guards against a router that ignores load.
+    """
+    for started in range(1, MAX_LONG_CLIENTS + 1):
+        long_clients.add(1)
+        sample = monitor.wait_for(lambda s: s.loads and sum(r["running"] for r in s.loads.values()) >= started,
+                                  30, f"{started} long streams running")
+        if len(sample.loads) == 2 and all(r["running"] >= 1 for r in sample.loads.values()):
+            return
+    raise AssertionError(f"{MAX_LONG_CLIENTS} long streams did not reach both replicas: {sample.loads}")
+
+
 def test_load_step_scales_up_and_scale_down_loses_no_request(cluster):
     serve, stub = cluster
     clients = Clients(stub, MAX_TOKENS)
+    long_clients = Clients(stub, LONG_TOKENS)
     with Monitor(serve, stub, APP, clients, period_s=0.25) as monitor:
         idle = monitor.wait_for(lambda s: s.states == {"RUNNING": 1} and s.loads, 30, "one replica")
         (first,) = idle.loads
@@ -103,35 +128,43 @@ def test_load_step_scales_up_and_scale_down_loses_no_request(cluster):
             clients.add(STEP_CLIENTS)
             up = monitor.wait_for(lambda s: s.states == {"RUNNING": 2}, SCALE_UP_BOUND_S, "second replica RUNNING")
             serving = monitor.wait_for(lambda s: _new_replica(s, first), 30, "the new replica taking requests")
-            second = _new_replica(serving, first)
 
-            # Load drops to a trickle one replica can hold: back to one. Serve stops the
-            # newest replica first.
+            # The step ends; its streams finish. Then one long stream per replica, and the
+            # demand (a few slots of 16) brings the count back to one.
+            clients.stop()
+            monitor.wait_for(lambda s: clients.in_flight == 0, 120, "the step's streams finished")
+            _long_stream_on_every_replica(monitor, long_clients)
             t1 = time.time()
-            clients.stop(STEP_CLIENTS - TRICKLE_CLIENTS)
-            down = monitor.wait_for(lambda s: s.states == {"RUNNING": 1} and s.loads and set(s.loads) == {first},
-                                    SCALE_DOWN_BOUND_S, "back to one replica")
-            time.sleep(1.0)  # the trickle keeps flowing on the remaining replica
+            down = monitor.wait_for(lambda s: s.states.get("RUNNING") == 1, SCALE_DOWN_BOUND_S,
+                                    "back to one replica")
         finally:
             clients.stop()
+            long_clients.stop()
             clients.join(120)
+            long_clients.join(400)  # the stopping replica drains its long stream meanwhile
 
     logs = serve_log_dir()
-    stopping, stopped = replica_stop_times(logs, second)
-    assert stopping is not None and stopped is not None, f"no stop of {second} in the controller log"
+    second = _new_replica(serving, first)
+    stopped_id = next((rid for rid in (second, first) if replica_stop_times(logs, rid)[0] is not None), None)
+    assert stopped_id is not None, f"neither {first} nor {second} was stopped, by the controller log"
+    # Its last stream has ended; the replica is gone a moment later.
+    stopping, stopped = wait_until(lambda: (replica_stop_times(logs, stopped_id)[1] is not None
+                                            and replica_stop_times(logs, stopped_id)), f"{stopped_id} stopped", 60)
     # Streams the stopping replica was serving when told to stop: counted from its access log.
-    draining = calls_across(generate_calls(logs, APP, second), stopping)
+    draining = calls_across(generate_calls(logs, APP, stopped_id), stopping)
+    outcomes = clients.outcomes + long_clients.outcomes
     print(f"\nscale-up: 2 RUNNING {up.t - t0:.1f} s, new replica serving {serving.t - t0:.1f} s after the step; "
-          f"back to 1 {down.t - t1:.1f} s after the drop; {len(draining)} streams in flight on the stopping "
-          f"replica, drained in {stopped - stopping:.1f} s; {len(clients.outcomes)} requests")
-    failed = [o.error for o in clients.outcomes if o.error]
-    truncated = [o for o in clients.outcomes if o.error is None and not o.complete]
+          f"back to 1 {down.t - t1:.1f} s after the long streams started; {len(draining)} streams in flight on "
+          f"the stopping replica, drained in {stopped - stopping:.1f} s; {len(outcomes)} requests")
+    failed = [o.error for o in outcomes if o.error]
+    truncated = [o for o in outcomes if o.error is None and not o.complete]
     assert failed == [] and truncated == [], (failed[:3], truncated[:3])
+    # The long stream started on it before the drop was still running when it was told to stop.
     assert len(draining) >= 1 and {status for *_, status in draining} == {"OK"}, draining
-    assert [o for o in clients.outcomes if o.end > stopped], "the trickle went on after the scale-down"
-    # Every change of the count is logged by the policy, with its inputs.
-    decisions = [(d.current, d.desired) for d in policy_decisions(logs) if "demand=" in d.inputs]
-    assert decisions == [(1, 2), (2, 1)], decisions
+    assert [o for o in long_clients.outcomes if o.end > stopped], "a long stream outlived the scale-down"
+    # Every change of the count is logged by the policy, with its inputs: up to 2, then back to 1.
+    counts = [d.desired for d in policy_decisions(logs) if "demand=" in d.inputs]
+    assert 2 in counts and counts[-1] == 1 and counts.index(2) < len(counts) - 1, counts
 
 
 def test_deleting_the_app_drains_streams_in_flight(cluster):

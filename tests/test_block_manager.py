@@ -8,13 +8,19 @@ completely free again.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
+
 import pytest
 
 import engine.kv.block_manager as bm_module
 from engine.kv.block_manager import BlockManager
-from engine.kv.hashing import ROOT_HASH, hash_block, prefix_block_hashes
+from engine.kv.hashing import ROOT_HASH, hash_block, prefix_block_hashes, prefix_routing_keys, routing_key
 
 BS = 4
+COLLIDING = b"\x2a" * 32  # what a patched hash_block returns for every block
 
 
 @pytest.fixture
@@ -34,7 +40,7 @@ def make_bm():
         assert pool.num_free == pool.num_blocks
 
 
-def fill(pool: BlockManager, tokens: list[int]) -> tuple[list[int], list[int]]:
+def fill(pool: BlockManager, tokens: list[int]) -> tuple[list[int], list[bytes]]:
     """A request computing ``tokens`` from scratch: fresh blocks, full ones published."""
     blocks = pool.allocate(pool.blocks_needed(len(tokens)))
     hashes, parent = [], ROOT_HASH
@@ -154,18 +160,51 @@ def test_same_block_after_a_different_prefix_does_not_hit(make_bm):
     pool.free(blocks)
 
 
-def test_hash_collision_is_verified_against_tokens(make_bm, monkeypatch):
-    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: 42)
+# monkeypatch before make_bm: the pools are checked (under the patched hash) before it is undone.
+def test_hash_collision_is_verified_against_tokens(monkeypatch, make_bm):
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: COLLIDING)
     pool = make_bm(8)
     blocks, _ = fill(pool, [1, 2, 3, 4, 5])
-    assert pool.hash_to_block == {42: blocks[0]}
+    assert pool.hash_to_block == {COLLIDING: blocks[0]}
     assert pool.match_prefix([7, 7, 7, 7, 7]) == ([], [])
-    assert pool.match_prefix([1, 2, 3, 4, 0]) == ([blocks[0]], [42])
+    assert pool.match_prefix([1, 2, 3, 4, 0]) == ([blocks[0]], [COLLIDING])
     # A colliding block of another prompt does not overwrite the cached one.
     other, _ = fill(pool, [7, 7, 7, 7, 7])
-    assert pool.hash_to_block == {42: blocks[0]} and pool.block_hash[other[0]] is None
+    assert pool.hash_to_block == {COLLIDING: blocks[0]} and pool.block_hash[other[0]] is None
     pool.free(blocks)
     pool.free(other)
+
+
+def test_a_hit_requires_the_stored_parent(monkeypatch, make_bm):
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: COLLIDING)
+    pool = make_bm(8)
+    [block] = pool.allocate(1)
+    pool.register_full_block(block, ROOT_HASH, [1, 2, 3, 4])
+    assert pool.lookup(ROOT_HASH, [1, 2, 3, 4]) == (block, COLLIDING)
+    # Same digest, same tokens, another prefix before them: not this block's KV.
+    assert pool.lookup(b"\x01" * 32, [1, 2, 3, 4]) == (None, COLLIDING)
+    # A token-only check would serve the first block again at position 1.
+    assert pool.match_prefix([1, 2, 3, 4] * 2 + [0]) == ([block], [COLLIDING])
+    pool.free([block])
+
+
+def _old_hash_block(parent: int, token_ids: list[int]) -> int:
+    """The scheme sha256 replaced: Python's hash, masked to 63 bits."""
+    return hash((parent, tuple(token_ids))) & ((1 << 63) - 1)
+
+
+def test_parents_that_collided_under_the_old_hash_share_no_block(make_bm):
+    p, q = 0x5107_5E4F, 0x5107_5E4F + 2**61 - 1  # hash(int) is taken mod 2**61 - 1
+    tokens = [1, 2, 3, 4]
+    assert _old_hash_block(p, tokens) == _old_hash_block(q, tokens)  # two prefixes, one cache entry
+    parent_p, parent_q = p.to_bytes(32, "big"), q.to_bytes(32, "big")
+    pool = make_bm(4)
+    [block] = pool.allocate(1)
+    digest = pool.register_full_block(block, parent_p, tokens)
+    assert pool.lookup(parent_p, tokens) == (block, digest)
+    missed, other = pool.lookup(parent_q, tokens)
+    assert missed is None and other != digest and routing_key(other) != routing_key(digest)
+    pool.free([block])
 
 
 def test_last_prompt_token_is_never_matched(make_bm):
@@ -249,20 +288,22 @@ def test_plain_free_blocks_are_used_before_evicting_cached_ones(make_bm):
     pool.free(held)
 
 
-def test_recent_hashes_is_the_routing_digest(make_bm):
+def test_recent_routing_keys_is_the_routing_digest(make_bm):
     pool = make_bm(8)
     prompt = list(range(50, 62))
     blocks, hashes = fill(pool, prompt)
-    assert hashes == prefix_block_hashes(prompt, BS)  # the router computes the same values
-    assert pool.recent_hashes(100) == hashes
-    assert pool.recent_hashes(2) == hashes[-2:]
-    assert pool.recent_hashes(0) == [] and pool.recent_hashes(-3) == []
+    assert hashes == prefix_block_hashes(prompt, BS)
+    keys = [routing_key(h) for h in hashes]
+    assert keys == prefix_routing_keys(prompt, BS)  # the router computes the same values
+    assert pool.recent_routing_keys(100) == keys
+    assert pool.recent_routing_keys(2) == keys[-2:]
+    assert pool.recent_routing_keys(0) == [] and pool.recent_routing_keys(-3) == []
     other, other_hashes = fill(pool, list(range(200, 204)))
-    assert pool.recent_hashes(2) == [hashes[-1], other_hashes[0]]  # newest last
+    assert pool.recent_routing_keys(2) == [keys[-1], routing_key(other_hashes[0])]  # newest last
     pool.free(blocks)
     pool.free(other)
     held = pool.allocate(8)  # evicts every cached block: the digest forgets them
-    assert pool.recent_hashes(100) == []
+    assert pool.recent_routing_keys(100) == []
     pool.free(held)
 
 
@@ -289,7 +330,7 @@ def test_disabled_prefix_caching_never_hits(make_bm):
     assert pool.match_prefix(prompt + [1]) == ([], [])
     pool.free(blocks)
     assert pool.match_prefix(prompt + [1]) == ([], [])
-    assert pool.recent_hashes(10) == [] and pool.hash_to_block == {}
+    assert pool.recent_routing_keys(10) == [] and pool.hash_to_block == {}
 
 
 def test_record_lookup_accumulates_queries_and_hits(make_bm):
@@ -299,12 +340,33 @@ def test_record_lookup_accumulates_queries_and_hits(make_bm):
     assert (pool.prefix_queries, pool.prefix_hits) == (15, 8)
 
 
-def test_hash_block_is_chained_and_stable():
+def test_hash_block_is_chained_sha256_over_little_endian_ids():
     h1 = hash_block(ROOT_HASH, [1, 2, 3, 4])
-    assert h1 == hash_block(ROOT_HASH, (1, 2, 3, 4)) and 0 <= h1 < 2**63
+    packed = bytes.fromhex("01000000" "02000000" "03000000" "04000000")
+    assert h1 == hashlib.sha256(ROOT_HASH + packed).digest() == hash_block(ROOT_HASH, (1, 2, 3, 4))
     assert hash_block(h1, [5, 6, 7, 8]) != hash_block(ROOT_HASH, [5, 6, 7, 8])
     assert prefix_block_hashes(list(range(10)), 4) == prefix_block_hashes(list(range(8)), 4)
     assert prefix_block_hashes(list(range(16)), 4, max_blocks=2) == prefix_block_hashes(list(range(8)), 4)
+    assert routing_key(h1) == int.from_bytes(h1[:8], "big") >> 1 and 0 <= routing_key(b"\xff" * 32) < 2**63
+
+
+@pytest.mark.parametrize("parent, tokens", [(ROOT_HASH, [-1]), (ROOT_HASH, [2**32]), (ROOT_HASH, ["a"]),
+                                            (ROOT_HASH[:8], [1]), (7, [1])])
+def test_hash_block_rejects_what_it_cannot_encode(parent, tokens):
+    with pytest.raises(ValueError):
+        hash_block(parent, tokens)
+
+
+@pytest.mark.parametrize("seed", ["1", "2"])
+def test_hashes_are_the_same_in_another_process(seed):
+    prompt = list(range(1000, 1040))
+    code = ("from engine.kv.hashing import prefix_block_hashes, prefix_routing_keys as k;"
+            f"p = {prompt!r}; print(([h.hex() for h in prefix_block_hashes(p, 16)], k(p, 16)))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}
+    got = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert got == str(([h.hex() for h in prefix_block_hashes(prompt, 16)], prefix_routing_keys(prompt, 16)))
 
 
 def test_invariant_check_catches_a_lost_block(make_bm):
@@ -325,7 +387,8 @@ def test_a_prefix_that_keeps_being_hit_stays_in_the_digest(make_bm):
     hit, _ = pool.match_prefix(list(range(8)) + [1])
     pool.take_cached(hit)
     try:
-        assert set(hot_hashes) <= set(pool.recent_hashes(2)), "the digest is what the router should hit"
+        hot_keys = {routing_key(h) for h in hot_hashes}
+        assert hot_keys <= set(pool.recent_routing_keys(2)), "the digest is what the router should hit"
     finally:
         for blocks in [hit, *others]:
             pool.free(blocks)

@@ -19,7 +19,7 @@ FLAT_OPTIONS = {
     "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_waiting": 10, "block_size": 32, "num_kv_blocks": 64,
     "kv_cache_memory_gb": 0.5, "enable_prefix_caching": False, "enable_chunked_prefill": False,
     "scheduling": "static", "dtype": "float32", "device": "cpu", "max_model_len": 512, "seed": 3,
-    "tensor_parallel_size": 2, "attention_backend": "torch", "profile": True,
+    "tensor_parallel_size": 2, "attention_backend": "torch", "profile": True, "stuck_timeout_s": 5.0,
 }
 
 
@@ -32,8 +32,8 @@ def test_defaults():
                                     enable_prefix_caching=True)
     assert cfg.scheduler == SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048, max_waiting=1024,
                                             enable_chunked_prefill=True, scheduling="continuous")
-    assert cfg.parallel == ParallelConfig(tensor_parallel_size=1, rank=0)
-    assert (cfg.attention_backend, cfg.profile) == ("auto", False)
+    assert cfg.parallel == ParallelConfig(tensor_parallel_size=1, distributed_timeout_s=60.0)
+    assert (cfg.attention_backend, cfg.profile, cfg.stuck_timeout_s) == ("auto", False, 30.0)
 
 
 def test_from_options_routes_every_flat_option_to_its_section():
@@ -46,7 +46,7 @@ def test_from_options_routes_every_flat_option_to_its_section():
         "enable_chunked_prefill": cfg.scheduler.enable_chunked_prefill, "scheduling": cfg.scheduler.scheduling,
         "dtype": cfg.model.dtype, "device": cfg.model.device, "max_model_len": cfg.model.max_model_len,
         "seed": cfg.model.seed, "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
-        "attention_backend": cfg.attention_backend, "profile": cfg.profile,
+        "attention_backend": cfg.attention_backend, "profile": cfg.profile, "stuck_timeout_s": cfg.stuck_timeout_s,
     }
     assert got == FLAT_OPTIONS and cfg.model.model == "m"
 
@@ -90,9 +90,12 @@ INVALID = [
     (SchedulerConfig, {"enable_chunked_prefill": "no"}, "enable_chunked_prefill"),
     (SchedulerConfig, {"scheduling": "fifo"}, "scheduling"),
     (ParallelConfig, {"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    (ParallelConfig, {"rank": 1}, "rank"),
-    (ParallelConfig, {"tensor_parallel_size": 2, "rank": -1}, "rank"),
+    (ParallelConfig, {"distributed_timeout_s": 0}, "distributed_timeout_s"),
+    (ParallelConfig, {"distributed_timeout_s": math.inf}, "distributed_timeout_s"),
     (EngineConfig, {"model": ModelConfig("m"), "attention_backend": "xformers"}, "attention_backend"),
+    (EngineConfig, {"model": ModelConfig("m"), "stuck_timeout_s": 0}, "stuck_timeout_s"),
+    (EngineConfig, {"model": ModelConfig("m"), "stuck_timeout_s": math.inf}, "stuck_timeout_s"),
+    (EngineConfig, {"model": ModelConfig("m"), "stuck_timeout_s": "30"}, "stuck_timeout_s"),
 ]
 
 
@@ -121,7 +124,7 @@ def test_boundary_values_are_accepted(kwargs):
 
 @pytest.mark.parametrize("obj, field", [
     (ModelConfig("m"), "dtype"), (CacheConfig(), "block_size"), (SchedulerConfig(), "max_num_seqs"),
-    (ParallelConfig(), "rank"), (EngineConfig(ModelConfig("m")), "profile"),
+    (ParallelConfig(), "tensor_parallel_size"), (EngineConfig(ModelConfig("m")), "profile"),
 ])
 def test_configs_are_frozen(obj, field):
     with pytest.raises(dataclasses.FrozenInstanceError):

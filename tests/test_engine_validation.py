@@ -4,6 +4,7 @@ requests already running are not disturbed."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import pytest
@@ -138,3 +139,70 @@ def test_unknown_model_name_lists_builtins():
 def test_max_model_len_beyond_the_model(tiny_model_dir):
     with pytest.raises(ValueError, match=r"max_model_len must be <= .*\(1024\)"):
         LLMEngine.from_options(str(tiny_model_dir), max_model_len=4096)
+
+
+# ----------------------------------------------------------------------------- LLM beyond the queue bound
+def _mixed_prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(2, 40))]} for _ in range(n)]
+
+
+def _bounded_llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=64, max_waiting=2, max_num_seqs=2)
+
+
+def test_llm_runs_more_prompts_than_the_queue_holds(tiny_model_dir, monkeypatch):
+    prompts = _mixed_prompts(9, seed=1)
+    alone = LLM(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=64)
+    want = [alone.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+    llm = _bounded_llm(tiny_model_dir)
+    add, seen = llm.engine.add_request, {"overloaded": 0, "most": 0}
+
+    def watched_add(*args, **kwargs):
+        try:
+            return add(*args, **kwargs)
+        except EngineOverloadedError:
+            seen["overloaded"] += 1
+            raise
+        finally:
+            seen["most"] = max(seen["most"], len(llm.engine.requests))
+
+    monkeypatch.setattr(llm.engine, "add_request", watched_add)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert seen["overloaded"] > 0 and seen["most"] <= 2 + 2  # fed as room freed: max_waiting + slots
+    assert not llm.engine.has_unfinished()
+    llm.engine.block_manager.check_invariants()
+    assert llm.engine.block_manager.num_used == 0
+
+
+def test_llm_rejects_a_bad_prompt_before_scheduling_any(tiny_model_dir):
+    llm = _bounded_llm(tiny_model_dir)
+    with pytest.raises(InvalidRequestError):
+        llm.generate(_mixed_prompts(6) + [{"prompt_token_ids": []}], GREEDY)
+    assert not llm.engine.has_unfinished() and llm.engine.block_manager.num_used == 0
+
+
+@pytest.mark.parametrize("error", [RuntimeError("simulated model error"), KeyboardInterrupt()],
+                         ids=["model-error", "keyboard-interrupt"])
+def test_llm_leaves_no_request_behind_after_an_exception(tiny_model_dir, monkeypatch, error):
+    llm = _bounded_llm(tiny_model_dir)
+    prompts = _mixed_prompts(9, seed=2)
+    execute, calls = llm.engine.runner.execute, []
+
+    def failing_execute(*args, **kwargs):  # fails mid-step, after blocks were allocated
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", failing_execute)
+    with pytest.raises(type(error)):
+        llm.generate(prompts, GREEDY)
+    assert not llm.engine.has_unfinished()
+    llm.engine.block_manager.check_invariants()
+    assert llm.engine.block_manager.num_used == 0
+    monkeypatch.undo()
+    again = llm.generate(prompts[:3], GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in again] == [GREEDY.max_tokens] * 3

@@ -7,13 +7,14 @@ from collections import Counter
 
 import pytest
 
-from engine.kv.hashing import prefix_block_hashes
+from engine.kv.block_manager import BlockManager
+from engine.kv.hashing import ROOT_HASH, prefix_routing_keys
 from router.policy import ReplicaLoad, RouterSettings, make_prefix_digest, rank_replicas
 
 NOW = 1_000.0
 BS = 4
 PROMPT = list(range(100, 132))  # 8 full blocks of 4
-HASHES = prefix_block_hashes(PROMPT, BS)
+HASHES = prefix_routing_keys(PROMPT, BS)
 
 
 def stats(*, running=0, max_num_seqs=8, waiting=0, kv_used=0, kv_total=100, prefix=(), healthy=True,
@@ -206,8 +207,19 @@ def test_make_prefix_digest_keeps_newest_distinct():
     assert load("a", prefix=digest).prefix_match(HASHES) == len(HASHES)
 
 
+def test_router_keys_are_the_engines_digest_keys():
+    bm = BlockManager(16, BS)
+    blocks, parent = bm.allocate(bm.blocks_needed(len(PROMPT))), ROOT_HASH
+    for i in range(len(PROMPT) // BS):  # what the scheduler does as the prompt is computed
+        parent = bm.register_full_block(blocks[i], parent, PROMPT[i * BS:(i + 1) * BS])
+    published = make_prefix_digest(bm.recent_routing_keys(512))
+    assert published == HASHES and load("a", prefix=published).prefix_match(HASHES) == len(HASHES)
+    bm.free(blocks)
+
+
 @pytest.mark.parametrize("hashes, n, field", [([1], -1, "max_entries"), ([1], 1.5, "max_entries"),
-                                               (["x"], 4, "hashes"), ([-3], 4, "hashes")])
+                                               (["x"], 4, "hashes"), ([-3], 4, "hashes"),
+                                               ([2**63], 4, "hashes")])
 def test_make_prefix_digest_rejects_bad_input(hashes, n, field):
     with pytest.raises(ValueError, match=field):
         make_prefix_digest(hashes, n)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv.hashing import prefix_block_hashes
+from engine.kv.hashing import prefix_routing_keys
 from router.autoscale import autoscaling_config
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -81,11 +81,14 @@ def test_adapter_ranks_from_routing_stats_and_asks_for_backoff():
     from types import SimpleNamespace
 
     replicas = [SimpleNamespace(replica_id="busy", routing_stats=_stats(8)),
-                SimpleNamespace(replica_id="cached", routing_stats=_stats(8, prefix_block_hashes(PROMPT, BS))),
+                SimpleNamespace(replica_id="cached", routing_stats=_stats(8, prefix_routing_keys(PROMPT, BS))),
                 SimpleNamespace(replica_id="new", routing_stats={})]
     ranks, pending = _choose(_router(), replicas, [{"prompt_token_ids": PROMPT}])
     assert ranks == [["cached"], ["busy"], ["new"]]
     assert pending.routing_context.should_backoff
+    # Ids no engine accepts cannot be hashed: routed on load alone (the replica rejects them).
+    ranks, _ = _choose(_router(), replicas, [{"prompt_token_ids": [-1] * 8 + PROMPT}])
+    assert sorted(sum(ranks, [])) == ["busy", "cached", "new"] and ranks[-1] == ["new"]
 
 
 def test_adapter_spreads_a_burst_within_one_stats_period():
@@ -105,7 +108,12 @@ def test_adapter_spreads_a_burst_within_one_stats_period():
     # Completed requests stop counting; so do requests that newer stats already include.
     for request_id in sent["r0"]:
         router.on_request_completed("r0", request_id)
+    from router.request_router import _TRANSIT_GRACE_S
+
+    # Stats taken right after the sends may miss requests still on their way: they keep counting.
     replicas[1].routing_stats = _stats(10)
+    assert router._load_of(replicas[1]).running == 20
+    replicas[1].routing_stats = _stats(10, updated_at=time.time() + _TRANSIT_GRACE_S)
     running = {r.replica_id: router._load_of(r).running for r in replicas}
     assert running == {"r0": 0, "r1": 10, "r2": 10}
 
@@ -229,7 +237,7 @@ def test_requests_go_to_the_replica_with_free_slots(serve_cluster):
 @pytest.mark.ray
 def test_requests_go_to_the_replica_holding_their_prefix(serve_cluster):
     # Load 0.125 against 0: comparable (default slack 0.25), so the prefix hit decides.
-    cached = {"running": 8, "free_slots": 56, "prefix_hashes": prefix_block_hashes(PROMPT, BS)}
+    cached = {"running": 8, "free_slots": 56, "prefix_hashes": prefix_routing_keys(PROMPT, BS)}
     handle, tally = _deploy(serve_cluster, "prefix", [cached, {"running": 0, "free_slots": 64}], num_replicas=2)
     _wait_for_stats(tally, 2)
     assert _send(handle, PROMPT, 20) == [0] * 20

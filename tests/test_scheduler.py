@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from engine.kv.hashing import prefix_block_hashes
+from engine.kv.hashing import prefix_block_hashes, prefix_routing_keys
 from engine.outputs import FINISH_ABORT
 from engine.request import RequestStatus
 from tests.scheduler_sim import Sim
@@ -285,6 +285,7 @@ def test_prefix_hit_at_admission_skips_the_cached_tokens(make_sim):
     sim.drain()
     # Blocks computed after a hit are published under the full chain (what the router computes).
     assert set(prefix_block_hashes(b.token_ids[:12], 4)) <= set(sim.bm.hash_to_block)
+    assert set(prefix_routing_keys(b.token_ids[:12], 4)) <= set(sim.bm.recent_routing_keys(100))
     full = sim.add(a.token_ids[:12] + [99], max_tokens=1)  # a's output tokens were cached too
     assert sim.scheduled(sim.step())["r2"] == (12, 1) and full.num_cached_tokens == 12
     again = sim.add(list(range(8)), max_tokens=1)  # fully cached: the last block is recomputed

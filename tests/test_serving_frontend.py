@@ -14,45 +14,15 @@ import json
 import grpc
 import pytest
 
-from deployments.engine_client import LocalEngineClient
 from deployments.errors import BadRequest, DeadlineExceeded, ModelNotFound, Overloaded, Unauthenticated
-from deployments.frontend import Frontend, FrontendConfig
 from deployments.grpc_service import SlotServeGrpcMixin
 from deployments.openai_api import build_openai_app
 from deployments.proto_gen.grpc.health.v1 import health_pb2
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
-from deployments.replica import EngineReplica
 from deployments.requests import GenerateInput
 from engine.errors import EngineDeadError
-from tests.fake_engine import FakeAsyncEngine
-
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from engine.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_model_dir)
-
-
-def make_frontend(tokenizer, replicas=1, api_keys=(), **engine_options):
-    options = {"vocab_size": tokenizer.vocab_size, "eos_token_id": 10**6, "max_num_seqs": 4,
-               "max_waiting": 4, "step_delay_s": 0.002, **engine_options}
-    reps = [EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=5) for _ in range(replicas)]
-    config = FrontendConfig(served_model_name="tiny", model="fake-model", api_keys=tuple(api_keys))
-    return Frontend(config, tokenizer, LocalEngineClient(reps)), reps
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-async def _wait_idle(reps):
-    for _ in range(100):
-        if all(r.record_routing_stats()["running"] == 0 for r in reps):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("a slot stayed busy")
+from tests.serving_helpers import make_frontend, run, wait_idle, wait_load
+from tests.waits import async_wait_until
 
 
 # -- frontend ----------------------------------------------------------------------------
@@ -67,7 +37,7 @@ def test_stream_text_is_the_decode_of_the_tokens(tokenizer):
         assert text == tokenizer.decode(ids)
         assert deltas[-1].usage.prompt_tokens == len(tokenizer.encode("hello world"))
         assert deltas[-1].usage.completion_tokens == 24
-        await _wait_idle(reps)
+        await wait_idle(reps)
     run(main())
 
 
@@ -86,7 +56,7 @@ def test_stop_string_cuts_text_and_tokens_and_frees_the_slot(tokenizer):
         ids = [t for d in deltas for t in d.token_ids]
         assert deltas[-1].usage.completion_tokens == len(ids) < 40
         assert stop in tokenizer.decode(ids) and stop not in tokenizer.decode(ids[:-1])
-        await _wait_idle(reps)
+        await wait_idle(reps)
     run(main())
 
 
@@ -96,11 +66,13 @@ def test_abort_by_request_id_ends_the_stream(tokenizer):
         req = await fe.prepare(GenerateInput(prompt="hi", request_id="abc", sampling={"max_tokens": 500}))
         stream = fe.stream(req)
         first = await stream.__anext__()
-        assert first.finish_reason is None
-        assert fe.abort("abc") and not fe.abort("nope")
+        assert first.finish_reason is None and first.client_request_id == "abc" and first.request_id != "abc"
+        # The client's own id is no key: only the server's id, streamed back, aborts.
+        assert not await fe.abort("abc") and not await fe.abort("nope")
+        assert await fe.abort(first.request_id)
         rest = [d async for d in stream]
         assert rest[-1].finish_reason == "abort"
-        await _wait_idle(reps)
+        await wait_idle(reps)
     run(main())
 
 
@@ -111,7 +83,7 @@ def test_closing_the_stream_frees_the_slot(tokenizer):
         async with contextlib.aclosing(fe.stream(req)) as stream:
             await stream.__anext__()
             assert reps[0].record_routing_stats()["running"] == 1
-        await _wait_idle(reps)
+        await wait_idle(reps)
         assert reps[0].engine.stats().num_aborted == 1
     run(main())
 
@@ -122,7 +94,7 @@ def test_deadline_aborts_the_request(tokenizer):
         req = await fe.prepare(GenerateInput(prompt="hi", timeout_s=0.2, sampling={"max_tokens": 500}))
         with pytest.raises(DeadlineExceeded, match="deadline of 0.2 s"):
             await fe.generate_all(req)
-        await _wait_idle(reps)
+        await wait_idle(reps)
     run(main())
 
 
@@ -133,7 +105,7 @@ def test_overload_is_reported_and_others_keep_running(tokenizer):
         for _ in range(2):  # one running, one waiting
             req = await fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 30}))
             streams.append(asyncio.ensure_future(fe.generate_all(req)))
-        await asyncio.sleep(0.05)
+        await wait_load(reps[0], running=1, waiting=1)
         req = await fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 30}))
         with pytest.raises(Overloaded, match="retry"):
             await fe.generate_all(req)
@@ -185,11 +157,12 @@ def test_replica_contracts(tokenizer):
         assert set(auto) >= {"slot_occupancy", "waiting"} and all(type(v) is float for v in auto.values())
         # a slow consumer gets coalesced messages, never one per token
         request = {"request_id": "r", "prompt_token_ids": [1, 2, 3], "params": _params(40), "priority": 0}
-        messages = []
-        async for msg in rep.generate(request):
-            messages.append(msg)
-            await asyncio.sleep(0.05)
-        assert sum(len(m["token_ids"]) for m in messages) == 40 and len(messages) < 20
+        stream = rep.generate(request)
+        first = await stream.__anext__()
+        # The consumer looks away until the engine has produced everything: one message holds it all.
+        await async_wait_until(lambda: rep.engine.stats().num_finished == 1, "the request finished")
+        rest = [m async for m in stream]
+        assert len(first["token_ids"]) + sum(len(m["token_ids"]) for m in rest) == 40 and len(rest) == 1
         rep.check_health()
         rep.engine.kill()
         with pytest.raises(EngineDeadError):
@@ -203,7 +176,7 @@ def test_replica_drains_before_shutdown(tokenizer):
         _, (rep,) = make_frontend(tokenizer, step_delay_s=0.01)
         request = {"request_id": "r", "prompt_token_ids": [1, 2], "params": _params(20), "priority": 0}
         consumer = asyncio.ensure_future(_collect(rep.generate(request)))
-        await asyncio.sleep(0.03)
+        await wait_load(rep, running=1)
         await rep.shutdown()  # waits for the running request
         messages = await consumer
         assert messages[-1]["finish_reason"] == "length"
@@ -325,7 +298,7 @@ def test_openai_client_in_process(tokenizer):
     import openai
 
     async def main():
-        fe, _ = make_frontend(tokenizer, max_num_seqs=1, max_waiting=0)
+        fe, fe_reps = make_frontend(tokenizer, max_num_seqs=1, max_waiting=0)
         client, http = _clients(build_openai_app(fe, max_body_bytes=4096))
         models = await client.models.list()
         assert [m.id for m in models.data] == ["tiny"]
@@ -352,7 +325,7 @@ def test_openai_client_in_process(tokenizer):
             await client.chat.completions.create(model="tiny", messages=[])
         # one slot, no queue: a second concurrent request is refused with 429
         slow = asyncio.ensure_future(client.completions.create(model="tiny", prompt="x", max_tokens=200))
-        await asyncio.sleep(0.05)
+        await wait_load(fe_reps[0], running=1)
         with pytest.raises(openai.RateLimitError, match="retry"):
             await client.completions.create(model="tiny", prompt="x", max_tokens=5)
         assert (await slow).choices[0].finish_reason == "length"

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from deployments.app_config import AppConfig
 from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
@@ -16,7 +15,7 @@ from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNo
 from deployments.grpc_service import delta_to_proto, generate_input, parse
 from deployments.openai_protocol import parse_chat_body, parse_completion_body
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
-from deployments.requests import (GenerateInput, PreparedRequest, build_sampling_params, check_request_id,
+from deployments.requests import (PreparedRequest, build_sampling_params, check_request_id, new_request_id,
                                   check_text, check_timeout, check_token_ids, parse_messages)
 from deployments.textstream import TextDelta, TokenLogprob, Usage
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -93,7 +92,8 @@ def test_messages_and_token_ids():
 
 
 def test_request_id_and_timeout():
-    assert len(check_request_id(None)) == 32 and check_request_id("abc") == "abc"
+    assert check_request_id(None) is None and check_request_id("") is None and check_request_id("abc") == "abc"
+    assert len(new_request_id()) == 32 and new_request_id() != new_request_id()
     for bad in ("x" * 200, "bad\nid", 5):
         with pytest.raises(BadRequest, match="request_id"):
             check_request_id(bad)
@@ -242,7 +242,7 @@ def test_app_config_rejects_bad_fields_by_name():
     assert AppConfig.from_args(None).model_name == "smollm2-135m"
 
 
-@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-1x.yaml", "gpu-8b.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_config_files_are_valid_serve_configs(name):
     from ray.serve.schema import ServeDeploySchema
 
@@ -260,7 +260,32 @@ def test_config_files_are_valid_serve_configs(name):
     else:
         assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
         assert config["grpc_options"]["port"] == 9000 and cfg.replica_resources.num_gpus == 0
+    if name == "local-cpu.yaml":
         assert (cfg.autoscaling.min_replicas, cfg.autoscaling.max_replicas) == (1, 2)
+    tp = cfg.tensor_parallel_size
+    assert (tp > 1) == ("-tp" in name)
+    if tp > 1:  # one bundle per rank on one node; the replica actor fits in bundle 0
+        from deployments.app import engine_deployment_options
+
+        options = engine_deployment_options(cfg)
+        assert options["placement_group_strategy"] == "STRICT_PACK"
+        bundles = options["placement_group_bundles"]
+        assert len(bundles) == tp and bundles[0].get("GPU", 0) == options["ray_actor_options"]["num_gpus"]
+
+
+def test_tensor_parallel_reserves_one_bundle_per_rank():
+    from deployments.app import engine_deployment_options
+
+    tp2 = {"engine": {"tensor_parallel_size": 2}}
+    with pytest.raises(ValueError, match="replica_resources.num_gpus"):
+        AppConfig.from_args({**tp2, "replica_resources": {"num_gpus": 2}})
+    with pytest.raises(ValueError, match="^replica_resources must be non-zero"):
+        AppConfig.from_args({**tp2, "replica_resources": {"num_cpus": 0}})
+    options = engine_deployment_options(AppConfig.from_args({**tp2, "replica_resources": {"num_cpus": 2, "num_gpus": 1}}))
+    assert options["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}] * 2
+    # GPU ranks see the node's GPUs and pick theirs (deployments.tp_launcher)
+    assert options["ray_actor_options"]["runtime_env"]["env_vars"] == {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    assert "placement_group_bundles" not in engine_deployment_options(AppConfig.from_args({}))
 
 
 def test_port_overrides():

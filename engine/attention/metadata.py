@@ -40,10 +40,11 @@ def plan_decode_groups(kv_lens: list[int], overhead: int = GROUP_OVERHEAD_TOKENS
 
 
 def build_step_inputs(chunks, block_size: int, device: torch.device):
-    """Returns (requests that sample, input_ids, positions, metadata, logits_indices).
+    """Returns (chunks that sample, input_ids, positions, metadata, logits_indices).
 
-    ``chunks`` are engine.scheduler.ScheduledChunk: (request, start, num_tokens); a chunk
-    samples when it reaches the request's last known token.
+    ``chunks`` are engine.scheduler.ScheduledChunk (or engine.tp's copies of them on the
+    other ranks): ``start``, ``num_tokens``, ``token_ids`` (this step's), ``block_ids`` and
+    ``samples`` (the chunk reaches the request's last known token, so it yields logits).
     """
     decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -(c.start + 1))
     prefills = [c for c in chunks if c.num_tokens != 1]
@@ -51,13 +52,13 @@ def build_step_inputs(chunks, block_size: int, device: torch.device):
     bs = block_size
     query_lens = [c.num_tokens for c in order]
     kv_lens = [c.start + c.num_tokens for c in order]
-    ids: list[int] = [c.request.token_ids[c.start] for c in decodes]
+    ids: list[int] = [c.token_ids[0] for c in decodes]
     for c in prefills:
-        ids.extend(c.request.token_ids[c.start:c.start + c.num_tokens])
+        ids.extend(c.token_ids)
     max_blocks = max(-(-kv // bs) for kv in kv_lens)
     table = []
     for c in order:
-        row = c.request.block_ids[:max_blocks]
+        row = c.block_ids[:max_blocks]
         table.append(row + [0] * (max_blocks - len(row)))
     q_lens_t = torch.tensor(query_lens, dtype=torch.int64)
     row_of_token = torch.repeat_interleave(torch.arange(len(order)), q_lens_t)
@@ -79,5 +80,4 @@ def build_step_inputs(chunks, block_size: int, device: torch.device):
         max_seqlen_k=max(kv_lens), num_decodes=len(decodes), query_lens=query_lens, kv_lens=kv_lens,
         decode_groups=plan_decode_groups(kv_lens[:len(decodes)]))
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-    sampling_reqs = [order[i].request for i in sample_rows]
-    return sampling_reqs, input_ids, positions.to(device), meta, logits_indices.to(device)
+    return [order[i] for i in sample_rows], input_ids, positions.to(device), meta, logits_indices.to(device)

@@ -2,11 +2,12 @@
 
 No torch here: the pool hands out block ids; the runner owns the tensors they index.
 
-Prefix caching: once a block is full, its chained hash (engine.kv.hashing) is registered
-with the tokens it holds. A later request whose prompt starts with the same tokens takes a
-reference on those blocks instead of recomputing them. A hit is verified against the stored
-tokens, so a hash collision can never serve wrong KV. Blocks nobody references stay cached
-on an LRU list and are evicted (hash dropped) only when the pool needs them.
+Prefix caching: once a block is full, its chained sha256 digest (engine.kv.hashing) is
+registered with its parent digest and the tokens it holds. A later request whose prompt
+starts with the same tokens takes a reference on those blocks instead of recomputing them.
+A hit requires the digest, the tokens and the parent digest to match, so a request is only
+ever served KV computed for its own prefix. Blocks nobody references stay cached on an LRU
+list and are evicted (digest dropped) only when the pool needs them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from engine.kv.hashing import ROOT_HASH, hash_block
+from engine.kv.hashing import ROOT_HASH, hash_block, routing_key
 
 
 class BlockManager:
@@ -25,9 +26,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_parent: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}  # full digests, in order of last use
         # Free blocks holding no cached prefix: taken first. A stack, so recently freed
         # (cache-warm) blocks are reused first.
         self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -61,25 +63,35 @@ class BlockManager:
         for h, b in self.hash_to_block.items():
             if self.block_hash[b] != h:
                 raise RuntimeError(f"hash index points at block {b} that holds another hash")
+            if hash_block(self.block_parent[b], self.block_tokens[b]) != h:
+                raise RuntimeError(f"block {b} is indexed under a digest its parent and tokens do not give")
 
     # ------------------------------------------------------------------ prefix cache
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    def lookup(self, parent_hash: bytes, token_ids: Sequence[int]) -> tuple[int | None, bytes]:
+        """The cached block holding ``token_ids`` right after the prefix ``parent_hash`` (None on
+        a miss), and the digest of that block."""
+        chunk = tuple(token_ids)
+        h = hash_block(parent_hash, chunk)
+        b = self.hash_to_block.get(h)
+        if b is not None and (self.block_tokens[b] != chunk or self.block_parent[b] != parent_hash):
+            b = None
+        return b, h
+
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """Cached full blocks covering the longest prefix of ``token_ids`` (not taken yet).
 
         At most ``len(token_ids) - 1`` tokens are matched: the last prompt token is always
-        computed so the request gets logits to sample from. Returns (block ids, their hashes).
+        computed so the request gets logits to sample from. Returns (block ids, their digests).
         """
         if not self.enable_prefix_caching:
             return [], []
         blocks: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         parent = ROOT_HASH
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, chunk)
-            b = self.hash_to_block.get(h)
-            if b is None or self.block_tokens[b] != chunk:
+            b, h = self.lookup(parent, token_ids[i * bs:(i + 1) * bs])
+            if b is None:
                 break
             blocks.append(b)
             hashes.append(h)
@@ -100,24 +112,25 @@ class BlockManager:
             h = self.block_hash[b]
             self.hash_to_block[h] = self.hash_to_block.pop(h)
 
-    def register_full_block(self, block: int, parent_hash: int, token_ids: Sequence[int]) -> int:
-        """Publish a block that just became full; returns its hash (the next block's parent)."""
+    def register_full_block(self, block: int, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+        """Publish a block that just became full; returns its digest (the next block's parent)."""
         chunk = tuple(token_ids)
         h = hash_block(parent_hash, chunk)
         if not self.enable_prefix_caching:
             return h
         if self.block_hash[block] is None and h not in self.hash_to_block:
             self.block_hash[block] = h
+            self.block_parent[block] = parent_hash
             self.block_tokens[block] = chunk
             self.hash_to_block[h] = block
         return h
 
-    def recent_hashes(self, max_entries: int) -> list[int]:
-        """The most recently cached block hashes (newest last): the routing digest."""
+    def recent_routing_keys(self, max_entries: int) -> list[int]:
+        """Routing keys of the most recently used cached blocks (newest last): the routing digest."""
         if max_entries <= 0:
             return []
         keys = list(self.hash_to_block)
-        return keys[-max_entries:]
+        return [routing_key(h) for h in keys[-max_entries:]]
 
     # ------------------------------------------------------------------ allocation
     def can_allocate(self, num_new_blocks: int, reusing: Sequence[int] = ()) -> bool:
@@ -144,6 +157,7 @@ class BlockManager:
         if h is not None and self.hash_to_block.get(h) == block:
             del self.hash_to_block[h]
         self.block_hash[block] = None
+        self.block_parent[block] = None
         self.block_tokens[block] = None
 
     def free(self, blocks: Sequence[int]) -> None:

@@ -1,32 +1,57 @@
-"""The chained block hash shared by the prefix cache and the router.
+"""The chained block hash: the one definition shared by the prefix cache and the router.
 
-A full block's hash covers its own token ids and, through the parent hash, every
-token before it, so equal hashes mean equal prefixes (verified against the tokens
-on a hit, since hashes can collide). Python's hash of a tuple of ints does not
-depend on PYTHONHASHSEED, so every process (replicas, routers) computes the same
-values; they are masked to 63 bits so they travel as plain non-negative ints.
+A full block's digest is sha256(parent digest || its token ids as little-endian uint32),
+so it covers every token before it, and every host and process computes the same bytes.
+The engine keys its cache by the full 32-byte digest (no collision can be constructed);
+only ``routing_key`` truncates it, to a 63-bit int the router compares with replicas'
+digests, where a collision costs a routing choice, never another request's KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from functools import lru_cache
 from typing import Sequence
 
-_MASK = (1 << 63) - 1
-ROOT_HASH = 0x5107_5E4F  # parent of the first block
+DIGEST_SIZE = 32
+ROOT_HASH = hashlib.sha256(b"slotserve/kv-prefix/v1").digest()  # parent of the first block
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    return hash((parent_hash, tuple(token_ids))) & _MASK
+@lru_cache(maxsize=64)
+def _packer(n: int):
+    return struct.Struct(f"<{n}I").pack
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """Hashes of the full blocks of ``token_ids``, in order (the partial tail is not hashed)."""
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """The digest of a block holding ``token_ids`` after the prefix whose digest is ``parent_hash``."""
+    if not isinstance(parent_hash, bytes) or len(parent_hash) != DIGEST_SIZE:
+        raise ValueError(f"parent_hash must be a {DIGEST_SIZE}-byte digest, got {parent_hash!r:.80}")
+    try:
+        packed = _packer(len(token_ids))(*token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
+    return hashlib.sha256(parent_hash + packed).digest()
+
+
+def routing_key(digest: bytes) -> int:
+    """The non-negative 63-bit int a digest travels as in routing stats."""
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
+    """Digests of the full blocks of ``token_ids``, in order (the partial tail is not hashed)."""
     n_full = len(token_ids) // block_size
     if max_blocks is not None:
         n_full = min(n_full, max_blocks)
-    hashes: list[int] = []
+    hashes: list[bytes] = []
     parent = ROOT_HASH
     for i in range(n_full):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+def prefix_routing_keys(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """``routing_key`` of each of ``prefix_block_hashes``: what the router looks up."""
+    return [routing_key(h) for h in prefix_block_hashes(token_ids, block_size, max_blocks)]

@@ -2,20 +2,35 @@
 
 Every parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies this
 rank's slice of a checkpoint tensor into it, so the checkpoint loader only routes names.
-Column-parallel layers split output features (no communication); row-parallel layers split
-input features and all-reduce their output; the vocabulary is split across ranks for the
-embedding and the LM head.
+``loaded`` is a tensor or a safetensors slice (``safe_open(...).get_slice``): from a slice
+only this rank's rows or columns are read, so no rank ever holds a full copy of a tensor
+it shards. Column-parallel layers split output features (no communication); row-parallel
+layers split input features and all-reduce their output; the vocabulary is split across
+ranks for the embedding and the LM head, whose logits are gathered on rank 0.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel import ParallelGroup
+
+
+def _shape(loaded) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def _part(loaded, dim: int, start: int, size: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) ``[start, start + size)`` of a checkpoint tensor."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def _whole(loaded) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -25,11 +40,13 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
-def _check_full(loaded: torch.Tensor, dim: int, expected: int, name: str) -> None:
+def _check_full(loaded, dim: int, expected: int, name: str) -> None:
     """The checkpoint holds the unsharded tensor: its split dimension must be the full size."""
-    if loaded.shape[dim] != expected:
-        raise ValueError(f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}: size "
-                         f"{loaded.shape[dim]} on dim {dim}, expected {expected} (does config.json match the weights?)")
+    shape = _shape(loaded)
+    if len(shape) <= dim or shape[dim] != expected:
+        raise ValueError(f"checkpoint tensor for {name} has shape {shape}: size "
+                         f"{shape[dim] if len(shape) > dim else None} on dim {dim}, expected {expected} "
+                         "(does config.json match the weights?)")
 
 
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:
@@ -46,8 +63,8 @@ class LinearBase(nn.Module):
         self.bias = (_attach(nn.Parameter(torch.empty(out_features), requires_grad=False), self.weight_loader)
                      if bias else None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy_checked(param, loaded, type(self).__name__)
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        _copy_checked(param, _whole(loaded), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -63,10 +80,10 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup) -> None:
         super().__init__(in_features, group.shard(out_features, "output features"), bias, group)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         size = param.shape[0]
         _check_full(loaded, 0, size * self.group.world_size, type(self).__name__)
-        _copy_checked(param, loaded.narrow(0, self.group.rank * size, size), type(self).__name__)
+        _copy_checked(param, _part(loaded, 0, self.group.rank * size, size), type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -76,60 +93,61 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, group)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         ws, rank = self.group.world_size, self.group.rank
         offset = sum(self.out_sizes[:shard_id]) // ws
         size = self.out_sizes[shard_id] // ws
-        _check_full(loaded, 0, self.out_sizes[shard_id], f"{type(self).__name__}[{shard_id}]")
-        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size),
-                      f"{type(self).__name__}[{shard_id}]")
+        name = f"{type(self).__name__}[{shard_id}]"
+        _check_full(loaded, 0, self.out_sizes[shard_id], name)
+        _copy_checked(param.data.narrow(0, offset, size), _part(loaded, 0, rank * size, size), name)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused; heads split across ranks (KV heads replicated if fewer)."""
+    """q, k and v projections fused; each rank holds whole KV groups (engine.parallel.shard_heads),
+    or a replica of one KV head when there are more ranks than KV heads."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  group: ParallelGroup) -> None:
-        ws = group.world_size
         self.head_dim = head_dim
-        self.local_heads = group.shard(num_heads, "num_attention_heads")
-        # With fewer KV heads than ranks, each rank keeps a replica of one KV head.
-        self.kv_replicas = max(1, ws // num_kv_heads)
-        self.local_kv_heads = max(1, num_kv_heads // ws)
-        if num_kv_heads >= ws and num_kv_heads % ws:
-            raise ValueError(f"num_key_value_heads ({num_kv_heads}) is not divisible by "
-                             f"tensor_parallel_size ({ws})")
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.heads = group.heads(num_heads, num_kv_heads)
+        self.local_heads, self.local_kv_heads = self.heads.q_count, self.heads.kv_count
         out = (self.local_heads + 2 * self.local_kv_heads) * head_dim
         LinearBase.__init__(self, hidden, out, bias, group)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        d, rank = self.head_dim, self.group.rank
-        q_size, kv_size = self.local_heads * d, self.local_kv_heads * d
-        _check_full(loaded, 0, (self.local_heads * self.group.world_size if shard_id == "q"
-                                else self.local_kv_heads * self.group.world_size // self.kv_replicas) * d,
-                    f"QKVParallelLinear[{shard_id}]")
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        d, h = self.head_dim, self.heads
+        q_size, kv_size = h.q_count * d, h.kv_count * d
+        name = f"QKVParallelLinear[{shard_id}]"
         if shard_id == "q":
-            dst, src = param.data.narrow(0, 0, q_size), loaded.narrow(0, rank * q_size, q_size)
+            _check_full(loaded, 0, self.num_heads * d, name)
+            dst, src, size = 0, h.q_start * d, q_size
         else:
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            kv_rank = rank // self.kv_replicas
-            dst, src = param.data.narrow(0, offset, kv_size), loaded.narrow(0, kv_rank * kv_size, kv_size)
-        _copy_checked(dst, src, f"QKVParallelLinear[{shard_id}]")
+            _check_full(loaded, 0, self.num_kv_heads * d, name)
+            dst, src, size = (q_size if shard_id == "k" else q_size + kv_size), h.kv_start * d, kv_size
+        _copy_checked(param.data.narrow(0, dst, size), _part(loaded, 0, src, size), name)
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+    """Input features split across ranks; partial outputs are summed with an all-reduce.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup) -> None:
-        super().__init__(group.shard(in_features, "input features"), out_features, bias, group)
+    ``in_shard`` = (start, size) of this rank's input features when the split is not even
+    (o_proj after an uneven head split); default: an even split."""
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup,
+                 in_shard: tuple[int, int] | None = None) -> None:
+        if in_shard is None:
+            size = group.shard(in_features, "input features")
+            in_shard = (group.rank * size, size)
+        self.in_start, self.in_features_full = in_shard[0], in_features
+        super().__init__(in_shard[1], out_features, bias, group)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias: added once, after the reduction
-            _copy_checked(param, loaded, "RowParallelLinear.bias")
+            _copy_checked(param, _whole(loaded), "RowParallelLinear.bias")
             return
-        size = param.shape[1]
-        _check_full(loaded, 1, size * self.group.world_size, "RowParallelLinear")
-        _copy_checked(param, loaded.narrow(1, self.group.rank * size, size), "RowParallelLinear")
+        _check_full(loaded, 1, self.in_features_full, "RowParallelLinear")
+        _copy_checked(param, _part(loaded, 1, self.in_start, param.shape[1]), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce(F.linear(x, self.weight))
@@ -141,17 +159,16 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.vocab_size = vocab_size
-        self.shard_size = math.ceil(vocab_size / group.world_size)
+        self.shard_size = group.shard(vocab_size, "vocab_size")
         self.start = group.rank * self.shard_size
         self.weight = _attach(nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False),
                               self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"embedding has {loaded.shape[0]} rows, config says vocab_size {self.vocab_size}")
-        part = loaded[self.start:self.start + self.shard_size]
-        param.data.zero_()
-        _copy_checked(param.data[:part.shape[0]], part, type(self).__name__)
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        rows = _shape(loaded)[0]
+        if rows != self.vocab_size:
+            raise ValueError(f"embedding has {rows} rows, config says vocab_size {self.vocab_size}")
+        _copy_checked(param, _part(loaded, 0, self.start, self.shard_size), type(self).__name__)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
@@ -164,13 +181,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over this rank's vocabulary slice, gathered to the full vocabulary."""
+    """Logits over this rank's vocabulary slice, gathered to the full vocabulary on rank 0
+    (the only rank that samples); other ranks get None."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        if self.group.world_size > 1:
-            logits = self.group.all_gather_last_dim(logits)
-        return logits[..., :self.vocab_size]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.group.gather_last_dim(F.linear(hidden, self.weight))
 
 
 class RMSNorm(nn.Module):
@@ -178,7 +193,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _attach(nn.Parameter(torch.ones(size), requires_grad=False),
-                              lambda p, w, s=None: _copy_checked(p, w, "RMSNorm"))
+                              lambda p, w, s=None: _copy_checked(p, _whole(w), "RMSNorm"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -15,7 +15,7 @@ from engine.model.arch import ModelArch
 from engine.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                  RowParallelLinear, VocabParallelEmbedding, silu_and_mul)
 from engine.model.rotary import RotaryEmbedding
-from engine.parallel import ParallelGroup
+from engine.parallel import ParallelGroup, check_tp_shapes
 
 # checkpoint projection name -> (fused parameter, part)
 PACKED = {
@@ -32,7 +32,9 @@ class Attention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads,
                                           arch.qkv_bias, group)
-        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, False, group)
+        heads = self.qkv_proj.heads
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, False, group,
+                                        in_shard=(heads.q_start * arch.head_dim, heads.q_count * arch.head_dim))
         self.num_heads = self.qkv_proj.local_heads
         self.num_kv_heads = self.qkv_proj.local_kv_heads
         self.head_dim = arch.head_dim
@@ -79,6 +81,7 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, group: ParallelGroup, backend: AttentionBackend, max_positions: int):
         super().__init__()
+        check_tp_shapes(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, arch.vocab_size, group.world_size)
         self.arch = arch
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, group)
         rotary = RotaryEmbedding(arch, max_positions)
@@ -90,13 +93,14 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits ``[len(logits_indices), vocab]`` for the selected token rows only."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[len(logits_indices), vocab]`` for the selected token rows only (on rank 0;
+        other tensor-parallel ranks compute their vocabulary slice and get None)."""
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, kv_cache, meta)
-        x = self.norm(x.index_select(0, logits_indices))
-        return self.lm_head(x).float()
+        logits = self.lm_head(self.norm(x.index_select(0, logits_indices)))
+        return None if logits is None else logits.float()
 
     def parameter_for(self, checkpoint_name: str) -> tuple[str, object] | None:
         """Map a checkpoint tensor name to (our parameter name, shard id); None to skip it."""

@@ -1,4 +1,8 @@
-"""Build the decoder for a checkpoint directory and load its safetensors weights."""
+"""Build the decoder for a checkpoint directory and load its safetensors weights.
+
+Each parameter's loader gets a safetensors slice and reads only this rank's part, so a
+tensor-parallel rank never holds a full copy of a sharded tensor.
+"""
 
 from __future__ import annotations
 
@@ -73,8 +77,8 @@ def load_model(path: Path, arch: ModelArch, group: ParallelGroup, backend: Atten
                     if param is None:
                         logger.debug("ignoring checkpoint tensor %s", name)
                         continue
-                    try:
-                        param.weight_loader(param, f.get_tensor(name), part)
+                    try:  # a lazy slice: the loader reads only this rank's part
+                        param.weight_loader(param, f.get_slice(name), part)
                     except ValueError as exc:
                         raise ModelLoadError(f"{file.name}: {name}: {exc}") from exc
                     loaded.add((pname, part))

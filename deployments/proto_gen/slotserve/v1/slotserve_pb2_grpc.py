@@ -71,9 +71,9 @@ class SlotServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a running Generate call by its request id; its slot is freed before the next step.
-        The call must reach the ingress replica that holds the stream (always so with one
-        ingress replica); elsewhere found is false. Cancelling the Generate call also aborts.
+        """Aborts a running Generate call by the request id the server streamed back (never the
+        client's own id: only the caller that got it can abort); its slot is freed before the
+        next step. Any ingress replica finds it. Cancelling the Generate call also aborts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

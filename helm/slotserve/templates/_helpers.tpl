@@ -1,0 +1,118 @@
+{{/*
+Names. Kubernetes names and label values stop at 63 characters; KubeRay also caps a
+RayService name at 47 (it appends suffixes to build the RayCluster and Service names) and
+wants it to start with a letter (DNS-1035).
+*/}}
+{{- define "slotserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "slotserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "slotserve.rayServiceName" -}}
+{{- $name := include "slotserve.fullname" . | trunc 47 | trimSuffix "-" }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) }}
+{{- fail (printf "the RayService name %q must start with a letter (KubeRay wants a DNS-1035 label): set fullnameOverride" $name) }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
+{{/* KubeRay's name for the serve Service of a RayService; kept so that docs and NOTES match. */}}
+{{- define "slotserve.serveServiceName" -}}
+{{- printf "%s-serve-svc" (include "slotserve.rayServiceName" .) }}
+{{- end }}
+
+{{/* A name for an object of this release with a suffix, within 63 characters. */}}
+{{- define "slotserve.suffixedName" -}}
+{{- $suffix := .suffix }}
+{{- printf "%s-%s" (include "slotserve.fullname" .root | trunc (int (sub 62 (len $suffix))) | trimSuffix "-") $suffix }}
+{{- end }}
+
+{{- define "slotserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "slotserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "slotserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "slotserve.labels" -}}
+helm.sh/chart: {{ include "slotserve.chart" . }}
+{{ include "slotserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: slotserve
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Pod labels of one component (head | worker): what PDBs, monitors and policies select. */}}
+{{- define "slotserve.podLabels" -}}
+{{ include "slotserve.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* image by tag, or by digest when one is given (the tag then only documents it). */}}
+{{- define "slotserve.image" -}}
+{{- $tag := default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s:%s@%s" .Values.image.repository $tag .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/*
+Drain timing, all derived from drainTimeoutSeconds (D). Serve gives an engine replica D + 5 s
+to stop (the app's graceful_shutdown_timeout_s) and the Router D + 10 s. A terminating worker
+tells Ray its node drains with a deadline of D + 30 s: Serve starts replacement replicas
+elsewhere and stops the ones on this pod no later than the deadline minus their shutdown
+time, so streams get their full D. The pod's grace period adds 15 s for Ray to exit.
+*/}}
+{{- define "slotserve.drainDeadlineSeconds" -}}
+{{- add (int .Values.drainTimeoutSeconds) 30 }}
+{{- end }}
+
+{{- define "slotserve.terminationGracePeriodSeconds" -}}
+{{- add (int .Values.drainTimeoutSeconds) 45 }}
+{{- end }}
+
+{{/* The id clients use: servedName, or what the app derives (the directory's name). */}}
+{{- define "slotserve.servedModelName" -}}
+{{- default (base (trimSuffix "/" .Values.model.name)) .Values.model.servedName }}
+{{- end }}
+
+{{/* Kubernetes CPU quantity ("2", "500m", 1.5) as a float, to check that a replica fits a pod. */}}
+{{- define "slotserve.cpuCores" -}}
+{{- $q := toString . }}
+{{- if hasSuffix "m" $q }}
+{{- divf (float64 (trimSuffix "m" $q)) 1000 }}
+{{- else }}
+{{- float64 $q }}
+{{- end }}
+{{- end }}
+
+{{/* Worker groups with workerDefaults merged under each group's own settings. */}}
+{{- define "slotserve.workerGroups" -}}
+{{- $groups := list }}
+{{- range .Values.workerGroups }}
+{{- $groups = append $groups (mustMergeOverwrite (deepCopy $.Values.workerDefaults) (deepCopy .)) }}
+{{- end }}
+{{- toJson $groups }}
+{{- end }}

@@ -1,0 +1,32 @@
+"""In-process serving for tests: a Frontend over fake engine replicas, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+
+from deployments.engine_client import LocalEngineClient
+from deployments.frontend import Frontend, FrontendConfig
+from deployments.replica import EngineReplica
+from tests.fake_engine import FakeAsyncEngine
+from tests.waits import async_wait_until
+
+
+def make_frontend(tokenizer, replicas=1, api_keys=(), **engine_options):
+    options = {"vocab_size": tokenizer.vocab_size, "eos_token_id": 10**6, "max_num_seqs": 4,
+               "max_waiting": 4, "step_delay_s": 0.002, **engine_options}
+    reps = [EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=5) for _ in range(replicas)]
+    config = FrontendConfig(served_model_name="tiny", model="fake-model", api_keys=tuple(api_keys))
+    return Frontend(config, tokenizer, LocalEngineClient(reps)), reps
+
+
+def run(coro, timeout_s: float = 60.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+async def wait_idle(reps):
+    await async_wait_until(lambda: all(r.record_routing_stats()["running"] == 0 for r in reps), "slots freed")
+
+
+async def wait_load(rep, running: int, waiting: int = 0):
+    await async_wait_until(lambda: (rep.engine.stats().running, rep.engine.stats().waiting) == (running, waiting),
+                           f"{running} running, {waiting} waiting")

@@ -1,0 +1,102 @@
+"""Requests kept apart and the ingress kept responsive (no Ray, fake engines).
+
+Server-side request ids (a client's id is echoed, never a key), API keys rotated from
+a file, huge prompts tokenized off the event loop, OpenAI's "developer" role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.engine_client import LocalEngineClient
+from deployments.errors import Unauthenticated
+from deployments.frontend import Frontend, FrontendConfig
+from deployments.requests import GenerateInput
+from tests.serving_helpers import make_frontend, run, wait_idle
+
+
+def test_same_client_request_id_twice_is_served_twice_and_isolated(tokenizer):
+    async def main():
+        fe, reps = make_frontend(tokenizer, step_delay_s=0.02)
+        reqs = [await fe.prepare(GenerateInput(prompt="hi", request_id="dup", sampling={"max_tokens": 300}))
+                for _ in range(2)]
+        assert reqs[0].request_id != reqs[1].request_id
+        streams = [fe.stream(r) for r in reqs]
+        firsts = [await s.__anext__() for s in streams]
+        assert [f.client_request_id for f in firsts] == ["dup", "dup"]
+        # A second ingress over the same engine replicas finds the first one's stream; the twin runs on.
+        other = Frontend(fe.config, tokenizer, LocalEngineClient(reps))
+        assert await other.abort(firsts[0].request_id)
+        assert [d async for d in streams[0]][-1].finish_reason == "abort"
+        assert reps[0].engine.stats().running == 1
+        assert not await other.abort(firsts[0].request_id)  # already gone
+        assert await fe.abort(firsts[1].request_id)
+        assert [d async for d in streams[1]][-1].finish_reason == "abort"
+        await wait_idle(reps)
+    run(main())
+
+
+def test_api_keys_file_rotates_without_restart(tokenizer, tmp_path, monkeypatch):
+    from deployments.frontend import ApiKeys
+
+    monkeypatch.setattr(ApiKeys, "CHECK_PERIOD_S", 0.0)  # re-check on every request
+    keys = tmp_path / "keys"
+    keys.write_text("# one per line\nfirst-key-1\n\nsecond-key-2\n")
+    fe = Frontend(FrontendConfig(served_model_name="tiny", model="m", api_keys=("fixed-key-0",),
+                                 api_keys_file=str(keys)), tokenizer, None)
+    for good in ("Bearer first-key-1", "second-key-2", "fixed-key-0"):
+        fe.authorize(good)
+    keys.write_text("third-key-33\n")  # rotated: the old file keys stop working at once
+    fe.authorize("third-key-33")
+    with pytest.raises(Unauthenticated):
+        fe.authorize("first-key-1")
+    keys.write_text("short\n")  # a bad rotation keeps the last good keys
+    fe.authorize("third-key-33")
+    keys.unlink()
+    fe.authorize("third-key-33")
+    with pytest.raises(FileNotFoundError):  # a missing file at start fails the replica, loudly
+        Frontend(FrontendConfig(served_model_name="tiny", model="m", api_keys_file=str(keys)), tokenizer, None)
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(tokenizer, monkeypatch):
+    """The small request's first token arrives while the huge prompt is still being tokenized:
+    its tokenizer call is held until then, which would deadlock were it on the event loop."""
+    import threading
+
+    from deployments.frontend import OFFLOAD_CHARS
+
+    async def main():
+        fe, reps = make_frontend(tokenizer)
+        small_started = threading.Event()
+        encode = tokenizer.encode
+
+        def held_encode(text, *args, **kwargs):
+            if len(text) >= OFFLOAD_CHARS:
+                assert small_started.wait(30), "the small request got no token while the big one tokenized"
+            return encode(text[:64], *args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "encode", held_encode)
+        big = asyncio.ensure_future(fe.prepare(GenerateInput(prompt="x" * 2_000_000, sampling={"max_tokens": 2})))
+        small = await fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 2}))
+        stream = fe.stream(small)
+        await stream.__anext__()
+        small_started.set()
+        await stream.aclose()
+        assert len((await big).prompt_token_ids) > 0
+        await wait_idle(reps)
+    run(main())
+
+
+def test_a_developer_message_is_served_as_a_system_message(tokenizer):
+    async def main():
+        fe, reps = make_frontend(tokenizer)
+        messages = ({"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"})
+        req = await fe.prepare(GenerateInput(messages=messages, sampling={"max_tokens": 3}))
+        as_system = fe.tokenize_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+        assert list(req.prompt_token_ids) == as_system
+        text, deltas = await fe.generate_all(req)
+        assert deltas[-1].finish_reason == "length"
+        await wait_idle(reps)
+    run(main())
