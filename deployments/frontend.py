@@ -18,18 +18,21 @@ from typing import AsyncIterator, Sequence
 
 from deployments.engine_client import EngineClient, EngineStream
 from deployments.errors import (BadRequest, DeadlineExceeded, ModelNotFound, Overloaded, Unauthenticated,
-                                Unavailable, to_serving_error)
+                                ServingError, Unavailable, to_serving_error, unwrap)
 from deployments.metrics import IngressMetrics
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
                                   check_priority, check_request_id, check_text, check_timeout, check_token_ids,
                                   new_request_id, parse_messages)
 from deployments.textstream import TextAssembler, TextDelta
-from engine.errors import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 MAX_RESUMES = 3
-"""Engine replicas a request may lose mid-stream and still finish on another one."""
+"""Engine replicas a request may lose mid-stream (process or node gone) and still finish."""
+MAX_CRASH_RESUMES = 1
+"""Engine loops that may die under a request before it is given up: a request that crashed
+two replicas is likely the cause, and must not take the whole deployment down in turn."""
 MAX_OVERLOAD_RETRIES = 3
 """A full replica's refusal is retried this often (on the replica the router picks next)
 before the client sees RESOURCE_EXHAUSTED / 429."""
@@ -230,7 +233,7 @@ class Frontend:
                                   req.client_request_id)
         inflight = self._inflight[req.request_id] = _Inflight(self._engine.generate(req.engine_request()))
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
-        retries = {"lost": 0, "overloaded": 0}
+        retries = {"lost": 0, "crashed": 0, "overloaded": 0}
         engine_done = False
         try:
             while not assembler.finished:
@@ -262,12 +265,12 @@ class Frontend:
                               retries: dict[str, int], exc: Exception) -> None:
         """Send the request again (resumed from the tokens the client has) or raise the error."""
         err = to_serving_error(exc)
-        kind = "overloaded" if isinstance(err, Overloaded) else "lost" if isinstance(err, Unavailable) else None
-        limit = {"overloaded": MAX_OVERLOAD_RETRIES, "lost": MAX_RESUMES}.get(kind, 0)
+        kind = _retry_kind(exc, err)
+        limit = {"overloaded": MAX_OVERLOAD_RETRIES, "lost": MAX_RESUMES, "crashed": MAX_CRASH_RESUMES}.get(kind, 0)
         if kind is None or retries[kind] >= limit:
-            if kind == "lost":
-                raise Unavailable(f"request {req.request_id} lost its engine replica {limit + 1} times and could "
-                                  f"not resume ({err.message})") from exc
+            if kind in ("lost", "crashed"):
+                raise Unavailable(f"request {req.request_id} lost its engine replica {retries[kind] + 1} times "
+                                  f"({err.message}); not resumed again") from exc
             raise err from exc
         if kind == "overloaded" and not await self._room_elsewhere():
             raise err from exc  # every replica is full: tell the client at once
@@ -276,7 +279,7 @@ class Frontend:
         logger.warning("request %s (client id %s): %s; resuming after %d tokens (retry %d of %d)", req.request_id,
                        req.client_request_id, err.message, len(done), retries[kind], limit)
         await inflight.stream.aclose()
-        if kind == "lost":  # give Serve a moment to stop routing to the dead replica
+        if kind != "overloaded":  # give Serve a moment to stop routing to the dead replica
             await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (retries[kind] - 1))
         inflight.stream = self._engine.generate(req.engine_request(resume_token_ids=done))
 
@@ -330,6 +333,16 @@ class Frontend:
         if not any(r.get("healthy") for r in load["replicas"]):
             raise Unavailable(f"no healthy engine replica ({len(load['replicas'])} known); "
                               "they may still be loading the model")
+
+
+def _retry_kind(exc: BaseException, err: ServingError) -> str | None:
+    """overloaded: a full replica refused it. crashed: the engine loop serving it died, which
+    this very request may have caused. lost: the replica went away (process, node)."""
+    if isinstance(err, Overloaded):
+        return "overloaded"
+    if isinstance(unwrap(exc), EngineDeadError):
+        return "crashed"
+    return "lost" if isinstance(err, Unavailable) else None
 
 
 async def _next(stream: EngineStream, deadline: float | None) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.errors import Overloaded, Unavailable
-from deployments.frontend import MAX_RESUMES
+from deployments.frontend import MAX_CRASH_RESUMES
 from deployments.requests import GenerateInput
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
@@ -93,9 +93,23 @@ def test_request_that_runs_out_of_replicas_fails_unavailable(tokenizer):
         stream = fe.stream(req)
         await stream.__anext__()
         reps[0].engine.kill()
-        with pytest.raises(Unavailable, match=f"{MAX_RESUMES + 1} times and could not resume"):
+        with pytest.raises(Unavailable, match="not resumed again"):
             async for _ in stream:
                 pass
+    run(main())
+
+
+def test_a_request_that_crashes_replicas_is_given_up_after_two(tokenizer):
+    """A poison request must not take down every replica in turn."""
+    async def main():
+        fe, reps = _frontend(tokenizer, replicas=4, step_delay_s=0.01)
+        req = await fe.prepare(GenerateInput(prompt_token_ids=(3, 4, 5), sampling={"max_tokens": 400}))
+        with pytest.raises(Unavailable, match="2 times"):
+            async for _ in fe.stream(req):
+                for rep in reps:  # whichever replica runs it dies
+                    if rep.healthy() and rep.engine.stats().running:
+                        rep.engine.kill()
+        assert sum(not r.healthy() for r in reps) == MAX_CRASH_RESUMES + 1
     run(main())
 
 
