@@ -32,7 +32,7 @@ def frontend_config(cfg: AppConfig) -> FrontendConfig:
     return FrontendConfig(served_model_name=cfg.model_name, model=cfg.model, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_prompt_chars=cfg.max_prompt_chars, default_max_tokens=cfg.default_max_tokens,
                           request_timeout_s=cfg.request_timeout_s, api_keys=cfg.api_keys,
-                          api_keys_file=cfg.api_keys_file)
+                          api_keys_file=cfg.api_keys_file, ingress_replicas=cfg.ingress.num_replicas)
 
 
 def _autoscaling_config(cfg: AppConfig):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
+from deployments.admission import Admission, ApiKeys
 from deployments.engine_client import EngineClient, EngineStream
 from deployments.errors import (BadRequest, DeadlineExceeded, ModelNotFound, Overloaded, Unauthenticated,
                                 ServingError, Unavailable, to_serving_error, unwrap)
@@ -56,49 +56,8 @@ class FrontendConfig:
     """Empty (and no ``api_keys_file``): no authentication. Otherwise every request must carry a key."""
     api_keys_file: str | None = None
     """One key per line (``#`` comments); re-read when it changes, so keys rotate without a restart."""
-
-
-class ApiKeys:
-    """The accepted keys: the configured ones plus those in a file, re-read once it changes."""
-
-    CHECK_PERIOD_S = 1.0
-    MIN_KEY_CHARS = 8
-
-    def __init__(self, keys: Sequence[str], path: str | None) -> None:
-        self._fixed = tuple(keys)
-        self._path = path
-        self._from_file: tuple[str, ...] = ()
-        self._stamp: tuple[int, int] | None = None
-        self._checked = float("-inf")
-        if path is not None:
-            self._reload()  # a missing or bad file fails the replica at start, not the first request
-
-    def current(self) -> tuple[str, ...]:
-        if self._path is not None and time.monotonic() - self._checked >= self.CHECK_PERIOD_S:
-            try:
-                self._reload()
-            except (OSError, ValueError) as exc:  # keep serving with the last good keys
-                logger.error("api_keys_file %s not reloaded: %s", self._path, exc)
-        return self._fixed + self._from_file
-
-    @property
-    def required(self) -> bool:
-        """A configured keys file asks for a key even while it holds none (fail closed)."""
-        return bool(self._fixed) or self._path is not None
-
-    def _reload(self) -> None:
-        self._checked = time.monotonic()
-        st = os.stat(self._path)
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp:
-            return
-        with open(self._path, encoding="utf-8") as f:
-            keys = tuple(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
-        short = sum(len(k) < self.MIN_KEY_CHARS for k in keys)
-        if short:
-            raise ValueError(f"{short} key(s) shorter than {self.MIN_KEY_CHARS} characters")
-        self._from_file, self._stamp = keys, stamp
-        logger.info("api_keys_file %s: %d keys", self._path, len(keys))
+    ingress_replicas: int = 1
+    """This ingress admits its share of the streams all engine replicas can hold."""
 
 
 class _Inflight:
@@ -117,6 +76,7 @@ class Frontend:
         self._engine_info: dict | None = None
         self._inflight: dict[str, _Inflight] = {}
         self._keys = ApiKeys(config.api_keys, config.api_keys_file)
+        self._admission = Admission(engine.replica_loads if engine is not None else None, config.ingress_replicas)
         self.metrics = IngressMetrics.for_model(config.served_model_name)  # rejections, counted by the protocols
 
     # -- checks every protocol shares ------------------------------------------------
@@ -229,6 +189,10 @@ class Frontend:
         from the tokens already sent (``MAX_RESUMES``), and a full replica's refusal is
         retried elsewhere (``MAX_OVERLOAD_RETRIES``) before it becomes an error.
         """
+        limit = await self._admission.limit()
+        if limit is not None and len(self._inflight) >= limit:
+            raise Overloaded(f"this ingress holds {len(self._inflight)} streams, its share of all the engines "
+                             "can run or queue; retry later")
         assembler = TextAssembler(self.tokenizer, req.request_id, req.params, len(req.prompt_token_ids),
                                   req.client_request_id)
         inflight = self._inflight[req.request_id] = _Inflight(self._engine.generate(req.engine_request()))

@@ -154,7 +154,8 @@ class EngineReplica:
         # inbox): without them a burst looks like an empty replica and piles onto it.
         arriving = max(0, len(self._active) - s.running - s.waiting)
         return {"free_slots": max(0, s.free_slots - arriving), "running": s.running, "waiting": s.waiting + arriving,
-                "max_num_seqs": s.max_num_seqs, "kv_blocks_used": s.kv_blocks_used,
+                "max_num_seqs": s.max_num_seqs, "max_waiting": self._engine.config.scheduler.max_waiting,
+                "kv_blocks_used": s.kv_blocks_used,
                 "kv_blocks_total": s.kv_blocks_total, "block_size": s.block_size,
                 "prefix_hashes": list(self._engine.prefix_digest(PREFIX_DIGEST_ENTRIES)),
                 "healthy": self.healthy(), "updated_at": time.time(),

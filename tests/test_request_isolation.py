@@ -14,7 +14,7 @@ from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unauthenticated
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.requests import GenerateInput
-from tests.serving_helpers import make_frontend, run, wait_idle
+from tests.serving_helpers import make_frontend, run, wait_idle, wait_load
 
 
 def test_same_client_request_id_twice_is_served_twice_and_isolated(tokenizer):
@@ -39,7 +39,7 @@ def test_same_client_request_id_twice_is_served_twice_and_isolated(tokenizer):
 
 
 def test_api_keys_file_rotates_without_restart(tokenizer, tmp_path, monkeypatch):
-    from deployments.frontend import ApiKeys
+    from deployments.admission import ApiKeys
 
     monkeypatch.setattr(ApiKeys, "CHECK_PERIOD_S", 0.0)  # re-check on every request
     keys = tmp_path / "keys"
@@ -100,3 +100,45 @@ def test_a_developer_message_is_served_as_a_system_message(tokenizer):
         assert deltas[-1].finish_reason == "length"
         await wait_idle(reps)
     run(main())
+
+
+def test_streams_past_the_engines_capacity_are_refused_at_the_door(tokenizer, monkeypatch):
+    from deployments.admission import Admission
+    from deployments.errors import Overloaded
+
+    monkeypatch.setattr(Admission, "REFRESH_S", 0.0)
+
+    async def main():
+        # 2 replicas x (1 slot + 1 queued): 4 streams fit in the engines, the 5th is refused by the ingress.
+        fe, reps = make_frontend(tokenizer, replicas=2, max_num_seqs=1, max_waiting=1, step_delay_s=0.01)
+        held = [asyncio.ensure_future(fe.generate_all(
+            await fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 400})))) for _ in range(4)]
+        for rep in reps:
+            await wait_load(rep, running=1, waiting=1)
+        with pytest.raises(Overloaded, match="retry later"):
+            await fe.generate_all(await fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 4})))
+        assert all((r.engine.stats().running, r.engine.stats().waiting) == (1, 1) for r in reps)  # never sent
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        await wait_idle(reps)
+        text, deltas = await fe.generate_all(await fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 4})))
+        assert deltas[-1].finish_reason == "length"
+        await wait_idle(reps)
+    run(main())
+
+
+def test_each_ingress_admits_its_share():
+    from deployments.admission import Admission
+
+    async def loads():
+        return [{"healthy": True, "max_num_seqs": 8, "max_waiting": 4}, {"healthy": False, "max_num_seqs": 8},
+                {"healthy": True, "max_num_seqs": 8, "max_waiting": 4}]
+
+    assert asyncio.run(Admission(loads, ingress_replicas=3).limit()) == 8   # ceil(24 / 3)
+    assert asyncio.run(Admission(loads).limit()) == 24
+
+    async def none():
+        return [{"healthy": False}]
+
+    assert asyncio.run(Admission(none).limit()) is None  # nothing known: refuse nothing

@@ -1,0 +1,86 @@
+"""Who gets in at the ingress: API keys, and no more streams than the engines can hold.
+
+Without the second, an ingress takes every stream Serve hands it (up to
+``ingress.max_ongoing_requests``) and the excess waits on its event loop, unbounded in
+practice, while engine queues never fill: admitted latency then grows with the offered
+load, and refusals come late. With it, a stream past the engines' capacity is refused
+at the door (RESOURCE_EXHAUSTED / 429), at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Awaitable, Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """This ingress's share of the streams all healthy engine replicas can run or queue
+    (``max_num_seqs + max_waiting`` each), refreshed from their load reports once a second."""
+
+    REFRESH_S = 1.0
+
+    def __init__(self, loads: Callable[[], Awaitable[list[dict]]] | None, ingress_replicas: int = 1) -> None:
+        self._loads = loads
+        self._share = max(1, ingress_replicas)
+        self._limit: int | None = None
+        self._refreshed = float("-inf")
+
+    async def limit(self) -> int | None:
+        """None: no capacity known (no healthy replica reported yet): nothing to refuse on."""
+        now = time.monotonic()
+        if self._loads is not None and now - self._refreshed >= self.REFRESH_S:
+            self._refreshed = now  # before the await: concurrent callers keep the last limit
+            try:
+                loads = await self._loads()
+            except Exception:  # noqa: BLE001 - no report this time: keep the last limit
+                return self._limit
+            capacity = sum(r.get("max_num_seqs", 0) + r.get("max_waiting", 0) for r in loads if r.get("healthy"))
+            self._limit = -(-capacity // self._share) if capacity else None
+        return self._limit
+
+
+class ApiKeys:
+    """The accepted keys: the configured ones plus those in a file, re-read once it changes."""
+
+    CHECK_PERIOD_S = 1.0
+    MIN_KEY_CHARS = 8
+
+    def __init__(self, keys: Sequence[str], path: str | None) -> None:
+        self._fixed = tuple(keys)
+        self._path = path
+        self._from_file: tuple[str, ...] = ()
+        self._stamp: tuple[int, int] | None = None
+        self._checked = float("-inf")
+        if path is not None:
+            self._reload()  # a missing or bad file fails the replica at start, not the first request
+
+    def current(self) -> tuple[str, ...]:
+        if self._path is not None and time.monotonic() - self._checked >= self.CHECK_PERIOD_S:
+            try:
+                self._reload()
+            except (OSError, ValueError) as exc:  # keep serving with the last good keys
+                logger.error("api_keys_file %s not reloaded: %s", self._path, exc)
+        return self._fixed + self._from_file
+
+    @property
+    def required(self) -> bool:
+        """A configured keys file asks for a key even while it holds none (fail closed)."""
+        return bool(self._fixed) or self._path is not None
+
+    def _reload(self) -> None:
+        self._checked = time.monotonic()
+        st = os.stat(self._path)
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        with open(self._path, encoding="utf-8") as f:
+            keys = tuple(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
+        short = sum(len(k) < self.MIN_KEY_CHARS for k in keys)
+        if short:
+            raise ValueError(f"{short} key(s) shorter than {self.MIN_KEY_CHARS} characters")
+        self._from_file, self._stamp = keys, stamp
+        logger.info("api_keys_file %s: %d keys", self._path, len(keys))
