@@ -8,18 +8,19 @@ gRPC message size) keep the oversized cases cheap.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
-import os
-import socket
 import ssl
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 import httpx2
 
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+from tests.ray_cluster import served_app
 
 ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_waiting": 16, "block_size": 16,
           "num_kv_blocks": 128, "max_model_len": 512}
@@ -28,12 +29,6 @@ MAX_PROMPT_CHARS = 4000
 MAX_BODY_BYTES = 64 * 1024
 GRPC_MAX_MESSAGE_BYTES = 1024 * 1024  # Ray's default is 2 GiB; the proxy reads it from its environment
 KEYS = ("key-alpha-00000001", "key-bravo-00000002")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
@@ -107,44 +102,22 @@ class Service:
         self.channel.close()
 
 
-def start_service(model_dir: Path, workdir: Path):
-    """Starts Ray + Serve + the app; returns (Service, stop function)."""
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
-    from deployments.app import build_app
-    from deployments.grpc_registration import SERVICER_FUNCTIONS
-
+@contextlib.contextmanager
+def hostile_service(model_dir: Path, workdir: Path) -> Iterator[Service]:
+    """Ray + Serve + the app over HTTPS, with an API key file; the Service to reach it."""
     cert_path, key_path = self_signed_cert(workdir)
     keys_file = workdir / "api-keys"
     keys_file.write_text("# one key per line\n" + "\n".join(KEYS) + "\n")
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(GRPC_MAX_MESSAGE_BYTES)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the local Ray's processes (the gRPC proxy among them) inherit them
-
-    def stop() -> None:
-        serve.shutdown()
-        ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    try:
-        ray.init(num_cpus=2, include_dashboard=False)
-        http_port, grpc_port = free_port(), free_port()
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port, ssl_certfile=str(cert_path),
-                                             ssl_keyfile=str(key_path)),
-                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
-        app = build_app({"model": str(model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
-                         "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
-                         "max_prompt_tokens": MAX_PROMPT_TOKENS, "max_prompt_chars": MAX_PROMPT_CHARS,
-                         "default_max_tokens": 8, "max_body_bytes": MAX_BODY_BYTES,
-                         "api_keys_file": str(keys_file), "drain_timeout_s": 1})
-        serve.run(app, name="slotserve", route_prefix="/")
-    except BaseException:
-        stop()
-        raise
-    return Service(http_port, grpc_port, cert_path, keys_file), stop
+    app = {"model": str(model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
+           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
+           "max_prompt_tokens": MAX_PROMPT_TOKENS, "max_prompt_chars": MAX_PROMPT_CHARS,
+           "default_max_tokens": 8, "max_body_bytes": MAX_BODY_BYTES,
+           "api_keys_file": str(keys_file), "drain_timeout_s": 1}
+    # The gRPC proxy reads its message size limit from the environment it inherits.
+    with served_app(app, env={"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(GRPC_MAX_MESSAGE_BYTES)},
+                    http_options={"ssl_certfile": str(cert_path), "ssl_keyfile": str(key_path)}) as ports:
+        service = Service(ports.http, ports.grpc, cert_path, keys_file)
+        try:
+            yield service
+        finally:
+            service.close()

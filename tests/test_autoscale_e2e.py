@@ -10,7 +10,6 @@ tokens (``ignore_eos``), so a truncated stream is caught by its token count.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -19,14 +18,13 @@ import pytest
 
 from benchmarks.autoscale_load import (Clients, Monitor, calls_across, generate_calls, policy_decisions,
                                        replica_stop_times, serve_log_dir)
-from deployments.grpc_registration import SERVICER_FUNCTIONS
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+from tests.ray_cluster import APP, served_app
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 REPO = str(Path(__file__).resolve().parents[1])
-APP = "slotserve"
 SLOTS = 8
 # A model whose context fits the long streams below; the shape is the tiny test model's.
 MAX_POS = 12_800
@@ -50,47 +48,21 @@ SCALE_UP_BOUND_S = 60.0
 SCALE_DOWN_BOUND_S = 60.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from deployments.app import build_app
     from tests.factories import make_model_dir
 
     model_dir = make_model_dir(tmp_path_factory.mktemp("long-llama"), "llama", seed=0, max_pos=MAX_POS)
-
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "PYTHONPATH")}
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    app = {"model": str(model_dir), "served_model_name": "tiny", "engine": ENGINE, "autoscaling": KNOBS,
+           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "drain_timeout_s": 240}
     # The controller imports the policy (router.autoscale) by name: workers inherit the path.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, saved["PYTHONPATH"]) if p)
-    try:
-        ray.init(num_cpus=2, include_dashboard=False)
-        grpc_port = _free_port()
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=_free_port()),
-                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
-        app = build_app({"model": str(model_dir), "served_model_name": "tiny", "engine": ENGINE,
-                         "autoscaling": KNOBS, "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
-                         "drain_timeout_s": 240})
-        serve.run(app, name=APP, route_prefix="/")
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    with served_app(app, env={"PYTHONPATH": path}) as ports:
+        channel = grpc.insecure_channel(f"127.0.0.1:{ports.grpc}")
         yield serve, slotserve_pb2_grpc.SlotServeStub(channel)
         channel.close()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _new_replica(sample, first: str) -> str | None:

@@ -8,16 +8,14 @@ sees one uninterrupted stream equal to the offline LLM's output.
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 
 import grpc
 import pytest
 
-from deployments.grpc_registration import SERVICER_FUNCTIONS
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+from tests.ray_cluster import APP, served_app
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
@@ -26,13 +24,6 @@ STREAMS = 32
 MAX_TOKENS = 900  # long enough to be mid-stream everywhere when the replica dies
 ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 16, "max_waiting": 48, "block_size": 16,
           "num_kv_blocks": 2048, "max_model_len": 1024}
-APP = "slotserve"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(i: int) -> list[int]:
@@ -41,33 +32,12 @@ def _prompt(i: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stub(tiny_model_dir):
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
-    from deployments.app import build_app
-
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        grpc_port = _free_port()
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=_free_port()),
-                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
-        app = build_app({"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE,
-                         "num_replicas": 2, "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
-                         "drain_timeout_s": 2})
-        serve.run(app, name=APP, route_prefix="/")
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
+           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "drain_timeout_s": 2}
+    with served_app(app) as ports:
+        channel = grpc.insecure_channel(f"127.0.0.1:{ports.grpc}")
         yield slotserve_pb2_grpc.SlotServeStub(channel)
         channel.close()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
 
 
 class Stream(threading.Thread):

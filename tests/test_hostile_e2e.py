@@ -23,7 +23,7 @@ from deployments.openai_protocol import _CHAT_FIELDS, _COMPLETION_FIELDS
 from deployments.proto_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from tests.hostile_cases import CHAT, COMPLETIONS, KINDS, USER, Kind
-from tests.hostile_service import GRPC_MAX_MESSAGE_BYTES, KEYS, MAX_BODY_BYTES, start_service
+from tests.hostile_service import GRPC_MAX_MESSAGE_BYTES, KEYS, MAX_BODY_BYTES, hostile_service
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -31,12 +31,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def service(tiny_model_dir, tmp_path_factory):
-    svc, stop = start_service(tiny_model_dir, tmp_path_factory.mktemp("hostile"))
-    try:
+    with hostile_service(tiny_model_dir, tmp_path_factory.mktemp("hostile")) as svc:
         yield svc
-    finally:
-        svc.close()
-        stop()
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.id for k in KINDS])

@@ -5,18 +5,16 @@ Ray's metrics port: every metric the project defines is there and counts what wa
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import socket
 import urllib.request
 from collections import Counter
 
 import grpc
 import pytest
 
-from deployments.grpc_registration import SERVICER_FUNCTIONS
 from deployments.metrics import exported_names
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+from tests.ray_cluster import free_port, served_app
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
@@ -30,45 +28,20 @@ ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 2, "max_waiting":
 LONG = 100  # tokens: two such requests (20-token prompts) need 15 blocks of the 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
-    from deployments.app import build_app
-
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    metrics_port, grpc_port = _free_port(), _free_port()
+    app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE,
+           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "api_keys": [KEY],
+           # autoscaling 1..1: SlotOccupancyPolicy runs in the controller and records its gauges
+           "autoscaling": {"min_replicas": 1, "max_replicas": 1, "metrics_interval_s": 0.5,
+                           "look_back_period_s": 1.0, "upscale_delay_s": 0, "downscale_delay_s": 0}}
+    metrics_port = free_port()
     # Workers push metrics to the node's exporter every metrics_report_interval_ms (Ray clamps it to >= 1 s).
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
-    try:
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=_free_port()),
-                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
-        app = build_app({"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE,
-                         "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "api_keys": [KEY],
-                         # autoscaling 1..1: SlotOccupancyPolicy runs in the controller and records its gauges
-                         "autoscaling": {"min_replicas": 1, "max_replicas": 1, "metrics_interval_s": 0.5,
-                                         "look_back_period_s": 1.0, "upscale_delay_s": 0, "downscale_delay_s": 0}})
-        serve.run(app, name="slotserve", route_prefix="/")
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    with served_app(app, _metrics_export_port=metrics_port,
+                    _system_config={"metrics_report_interval_ms": 1000}) as ports:
+        channel = grpc.insecure_channel(f"127.0.0.1:{ports.grpc}")
         yield slotserve_pb2_grpc.SlotServeStub(channel), metrics_port
         channel.close()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
 
 
 class Scrape:

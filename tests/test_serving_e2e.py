@@ -7,17 +7,15 @@ One module-scoped cluster and app serve every test here; tests leave it idle.
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import socket
 import time
 
 import grpc
 import pytest
 
-from deployments.grpc_registration import SERVICER_FUNCTIONS
 from deployments.proto_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+from tests.ray_cluster import served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -26,12 +24,6 @@ ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_waiting":
 PROMPTS = ["hello world", "the quick brown fox jumps"]
 MAX_TOKENS = 24
 MAX_PROMPT_TOKENS = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -63,33 +55,13 @@ class Service:
 
 @pytest.fixture(scope="module")
 def service(tiny_model_dir):
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
-    from deployments.app import build_app
-
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        http_port, grpc_port = _free_port(), _free_port()
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
-        app = build_app({"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE,
-                         "num_replicas": 2, "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
-                         "routing": "slot_aware", "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2})
-        serve.run(app, name="slotserve", route_prefix="/")
-        svc = Service(http_port, grpc_port)
+    app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
+           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "routing": "slot_aware",
+           "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2}
+    with served_app(app) as ports:
+        svc = Service(ports.http, ports.grpc)
         yield svc
         svc.channel.close()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,13 @@ tokens of TP=1, and deleting the app releases every bundle (the rank actor is go
 
 from __future__ import annotations
 
-import os
-import time
 
 import pytest
 
-from deployments.grpc_registration import SERVICER_FUNCTIONS
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
-from tests.test_serving_e2e import Service, _free_port
+from tests.ray_cluster import APP, served_app
+from tests.test_serving_e2e import Service
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -24,28 +23,18 @@ MAX_TOKENS = 8
 def test_tp2_replica_serves_the_tp1_tokens(tiny_model_dir):
     import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from deployments.app import build_app
     from engine import LLM, SamplingParams
 
     offline = LLM(str(tiny_model_dir), **ENGINE)
     want = list(offline.generate([{"prompt_token_ids": PROMPT}],
                                  SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
                 .outputs[0].token_ids)
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        http_port, grpc_port = _free_port(), _free_port()
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
-        app = build_app({"model": str(tiny_model_dir), "served_model_name": "tiny",
-                         "engine": {**ENGINE, "tensor_parallel_size": 2}, "num_replicas": 1,
-                         "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
-                         "drain_timeout_s": 2})
-        serve.run(app, name="slotserve", route_prefix="/")
-        service = Service(http_port, grpc_port)
+    app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": {**ENGINE, "tensor_parallel_size": 2},
+           "num_replicas": 1, "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
+           "drain_timeout_s": 2}
+    with served_app(app) as ports:
+        service = Service(ports.http, ports.grpc)
         out = service.generate(prompt_token_ids=pb.TokenIds(ids=PROMPT),
                                sampling=pb.SamplingOptions(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
         assert [t for m in out for t in m.token_ids] == want
@@ -55,15 +44,6 @@ def test_tp2_replica_serves_the_tp1_tokens(tiny_model_dir):
         # so the rank actor is gone with its replica.
         assert ray.available_resources().get("CPU", 0) == pytest.approx(0.75)
         service.channel.close()
-        serve.delete("slotserve")
-        deadline = time.monotonic() + 30
-        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert ray.available_resources().get("CPU", 0) == pytest.approx(2)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
+        serve.delete(APP)
+        wait_until(lambda: ray.available_resources().get("CPU", 0) == pytest.approx(2), "every bundle released",
+                   30, poll_s=0.2)
