@@ -74,6 +74,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self._engine = engine
         self._engine_info: dict | None = None
+        self._engine_info_call: asyncio.Future | None = None
         self._inflight: dict[str, _Inflight] = {}
         self._keys = ApiKeys(config.api_keys, config.api_keys_file)
         self._admission = Admission(engine.replica_loads if engine is not None else None, config.ingress_replicas)
@@ -105,12 +106,19 @@ class Frontend:
         return self._engine_info
 
     async def engine_info(self) -> dict:
-        """The engines' model facts (context length, vocab), fetched once."""
+        """The engines' model facts (context length, vocab), fetched once: the first requests,
+        however many arrive together, share one call."""
         if self._engine_info is None:
+            if self._engine_info_call is None:
+                self._engine_info_call = asyncio.ensure_future(self._engine.model_info())
+            call = self._engine_info_call
             try:
-                self._engine_info = await self._engine.model_info()
+                info = await asyncio.shield(call)
             except Exception as exc:
+                if self._engine_info_call is call:  # failed: the next request asks again
+                    self._engine_info_call = None
                 raise to_serving_error(exc) from exc
+            self._engine_info = info
         return self._engine_info
 
     async def model_info(self) -> dict:

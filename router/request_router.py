@@ -149,7 +149,10 @@ class SlotAwareRequestRouter(RequestRouter):
         self._decisions.inc(1, {"reason": reason})
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._sent.setdefault(replica_id, {})[pending_request.metadata.internal_request_id] = time.time()
+        # Only generate calls take a slot: counting a burst of model_info or stats calls would make
+        # a replica look full and send every request of the next burst elsewhere.
+        if prompt_token_ids(pending_request):
+            self._sent.setdefault(replica_id, {})[pending_request.metadata.internal_request_id] = time.time()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         sent = self._sent.get(replica_id)

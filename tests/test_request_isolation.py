@@ -142,3 +142,22 @@ def test_each_ingress_admits_its_share():
         return [{"healthy": False}]
 
     assert asyncio.run(Admission(none).limit()) is None  # nothing known: refuse nothing
+
+
+def test_concurrent_first_requests_share_one_model_info_call(tokenizer):
+    """32 first requests at once: one engine call, not 32 (they would all land on one replica)."""
+    async def main():
+        fe, reps = make_frontend(tokenizer, replicas=2)
+        calls = []
+        original = fe._engine.model_info
+
+        async def counted():
+            calls.append(1)
+            await asyncio.sleep(0.05)  # still in flight when the others arrive
+            return await original()
+
+        fe._engine.model_info = counted
+        prepared = await asyncio.gather(*(fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 2}))
+                                          for _ in range(32)))
+        assert len(prepared) == 32 and calls == [1]
+    run(main())

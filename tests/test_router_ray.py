@@ -118,6 +118,25 @@ def test_adapter_spreads_a_burst_within_one_stats_period():
     assert running == {"r0": 0, "r1": 10, "r2": 10}
 
 
+def test_calls_without_a_prompt_take_no_slot():
+    """A burst of model_info / stats calls must not make a replica look full to the next burst."""
+    from types import SimpleNamespace
+
+    router = _router()
+    replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=_stats(0, updated_at=time.time() - 0.1))
+                for i in range(2)]
+    for i in range(32):
+        ranks, pending = _choose(router, replicas, [], request_id=f"info{i}")
+        router.on_request_routed(pending, ranks[0][0], None)
+    assert [router._load_of(r).running for r in replicas] == [0, 0]
+    counts = {"r0": 0, "r1": 0}
+    for i in range(16):
+        ranks, pending = _choose(router, replicas, [{"prompt_token_ids": OTHER_PROMPT}], request_id=f"gen{i}")
+        router.on_request_routed(pending, ranks[0][0], None)
+        counts[ranks[0][0]] += 1
+    assert counts == {"r0": 8, "r1": 8}
+
+
 @pytest.mark.parametrize("args", [[], [None], ["text"], [{"prompt": "x"}], [{"prompt_token_ids": "abc"}]])
 def test_requests_without_token_ids_get_no_prefix(args):
     from types import SimpleNamespace
