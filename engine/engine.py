@@ -116,10 +116,7 @@ class LLMEngine:
         prompt = list(prompt_token_ids)
         if not prompt:
             raise InvalidRequestError("prompt_token_ids must not be empty")
-        vocab = self.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}")
+        self._check_ids("prompt_token_ids", prompt)
         if len(prompt) >= self.max_total_tokens:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens; at most {self.max_total_tokens - 1} fit "
@@ -153,13 +150,17 @@ class LLMEngine:
         self.scheduler.add(req)
         return request_id
 
+    def _check_ids(self, name: str, ids: list) -> None:
+        vocab = self.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"{name} must be integers in [0, {vocab}), got {t!r}")
+
     def _check_resume(self, prompt: list[int], params: SamplingParams, resume: Sequence[int]) -> list[int]:
         resumed = list(resume)
         if not resumed:
             return resumed
-        vocab = self.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in resumed):
-            raise InvalidRequestError(f"resume_token_ids must be integers in [0, {vocab})")
+        self._check_ids("resume_token_ids", resumed)
         if params.max_tokens is not None and len(resumed) >= params.max_tokens:
             raise InvalidRequestError(f"resume_token_ids has {len(resumed)} tokens; max_tokens "
                                       f"({params.max_tokens}) leaves nothing to generate")

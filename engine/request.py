@@ -27,7 +27,7 @@ class Request:
         "request_id", "params", "priority", "seq_no", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
-        "max_total_tokens", "seed", "num_emitted", "pending_logprobs", "eos_token_ids",
+        "max_total_tokens", "seed", "eos_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -50,8 +50,6 @@ class Request:
         self.timing = RequestTiming(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.max_total_tokens = max_total_tokens
         self.seed = seed
-        self.num_emitted = 0             # output tokens already handed to the caller
-        self.pending_logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
 
     @property
