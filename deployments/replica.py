@@ -175,8 +175,7 @@ class EngineReplica:
 
     def publish_metrics(self) -> None:
         """Gauges and counter deltas from the engine's stats snapshot, and its per-step token counts."""
-        drain = getattr(self._engine, "drain_step_tokens", None)  # test engines may lack it
-        self._metrics.record_stats(self._engine.stats(), drain() if drain is not None else [])
+        self._metrics.record_stats(self._engine.stats(), self._engine.drain_step_tokens())
 
     def _start_metrics_loop(self) -> None:
         if self._metrics_task is not None or not self._metrics.enabled or self._shutdown_done:
