@@ -11,7 +11,7 @@ import pytest
 
 from engine import AsyncEngine, EngineDeadError, EngineOverloadedError, InvalidRequestError, LLM, SamplingParams
 from engine import async_engine
-from tests.waits import async_wait_until
+from tests.waits import async_wait_until, wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -34,23 +34,12 @@ async def _collect(engine, prompt, params=GREEDY, **kw):
     return [t for m in msgs for t in m.new_token_ids], msgs
 
 
-async def _until(cond, timeout=5.0):
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+def _wait_idle(engine):
+    def idle():
+        s = engine.stats()
+        return s if (s.running, s.waiting, s.kv_blocks_used) == (0, 0, 0) else None
 
-
-def _wait_idle(engine, timeout=5.0):
-    async def wait():
-        for _ in range(int(timeout / 0.02)):
-            s = engine.stats()
-            if s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0:
-                return s
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"engine not idle: {engine.stats()}")
-    return asyncio.run(wait())
+    return wait_until(idle, "engine idle, no KV block in use")
 
 
 def test_concurrent_streams_equal_offline(engine, tiny_model_dir):
@@ -131,9 +120,9 @@ def test_overload_raises_and_others_keep_running(tiny_model_dir):
     async def run():
         prompts = _prompts(3, seed=5)
         tasks = [asyncio.create_task(_collect(eng, prompts[0], long))]
-        await _until(lambda: eng.stats().running == 1)
+        await async_wait_until(lambda: eng.stats().running == 1, "one running")
         tasks += [asyncio.create_task(_collect(eng, p, long)) for p in prompts[1:]]
-        await _until(lambda: eng.stats().waiting == 2)
+        await async_wait_until(lambda: eng.stats().waiting == 2, "two waiting")
         with pytest.raises(EngineOverloadedError, match="max_waiting"):
             await _collect(eng, _prompts(1, seed=6)[0], long)
         return await asyncio.gather(*tasks)
