@@ -1,165 +1,151 @@
 """AppConfig: the typed, validated ``args`` of the Serve application (``build_app``).
 
-Built from the plain dict under ``applications[].args`` in a Serve config file. Every
-key is known or rejected by name, every value checked, so a bad config fails when
-the application starts, with the field named (``autoscaling.max_replicas must be ...``).
+Built from the plain dict under ``applications[].args`` in a Serve config file. A
+pydantic model: every key is known or rejected by name, every value checked, so a bad
+config fails when the application starts, with the field named
+(``autoscaling.max_replicas must be ...``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from engine.config import EngineConfig, SchedulerConfig
+from engine.validation import Float, Int, Str, field_errors
 
 DEFAULT_MODEL = "smollm2-135m"  # engine.models_hub's built-in name, converted from the bundled GGUF
 ROUTING_MODES = ("slot_aware", "default")
 AUTOSCALING_POLICIES = ("slot_occupancy", "default")
+_CONFIG = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-@dataclass(frozen=True)
-class AutoscalingKnobs:
+class AutoscalingKnobs(BaseModel):
     """Replica count follows slot occupancy (running / max_num_seqs, or KV usage if higher)."""
 
-    min_replicas: int = 1
-    max_replicas: int = 1
-    initial_replicas: int | None = None
-    target_occupancy: float = 0.75
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    metrics_interval_s: float = 1.0
-    look_back_period_s: float = 5.0
-    policy: str = "slot_occupancy"
+    model_config = _CONFIG
+
+    min_replicas: Int = Field(1, ge=0)
+    max_replicas: Int = Field(1, ge=1)
+    initial_replicas: Int | None = None
+    target_occupancy: Float = Field(0.75, gt=0, le=1)
+    upscale_delay_s: Float = Field(30.0, ge=0)
+    downscale_delay_s: Float = Field(600.0, ge=0)
+    metrics_interval_s: Float = Field(1.0, gt=0)
+    look_back_period_s: Float = 5.0
+    policy: Literal[AUTOSCALING_POLICIES] = "slot_occupancy"
     """``slot_occupancy`` (router.autoscale) or ``default`` (Serve's, on ongoing requests)."""
 
-    def __post_init__(self) -> None:
-        _check(_is_int(self.min_replicas) and self.min_replicas >= 0, "min_replicas", "an integer >= 0",
-               self.min_replicas)
-        _check(_is_int(self.max_replicas) and self.max_replicas >= max(1, self.min_replicas), "max_replicas",
-               f"an integer >= max(1, min_replicas={self.min_replicas})", self.max_replicas)
-        _check(self.initial_replicas is None or (_is_int(self.initial_replicas)
-                                                 and self.min_replicas <= self.initial_replicas <= self.max_replicas),
-               "initial_replicas", "an integer in [min_replicas, max_replicas] or null", self.initial_replicas)
-        _check(_is_num(self.target_occupancy) and 0 < self.target_occupancy <= 1, "target_occupancy",
-               "a number in (0, 1]", self.target_occupancy)
-        for name in ("upscale_delay_s", "downscale_delay_s"):
-            _check(_is_num(getattr(self, name)) and getattr(self, name) >= 0, name, "a number >= 0", getattr(self, name))
-        _check(_is_num(self.metrics_interval_s) and self.metrics_interval_s > 0, "metrics_interval_s",
-               "a number > 0", self.metrics_interval_s)
-        _check(_is_num(self.look_back_period_s) and self.look_back_period_s > self.metrics_interval_s,
-               "look_back_period_s", f"a number > metrics_interval_s ({self.metrics_interval_s})",
-               self.look_back_period_s)
-        _check(self.policy in AUTOSCALING_POLICIES, "policy", f"one of {AUTOSCALING_POLICIES}", self.policy)
+    @field_validator("max_replicas")
+    @classmethod
+    def _at_least_min(cls, value: int, info: ValidationInfo) -> int:
+        if value < info.data.get("min_replicas", 0):
+            raise ValueError(f"must be >= min_replicas ({info.data['min_replicas']})")
+        return value
+
+    @field_validator("initial_replicas")
+    @classmethod
+    def _within_range(cls, value: int | None, info: ValidationInfo) -> int | None:
+        low, high = info.data.get("min_replicas"), info.data.get("max_replicas")
+        if value is not None and low is not None and high is not None and not low <= value <= high:
+            raise ValueError(f"must be in [min_replicas, max_replicas] = [{low}, {high}] or null")
+        return value
+
+    @field_validator("look_back_period_s")
+    @classmethod
+    def _longer_than_interval(cls, value: float, info: ValidationInfo) -> float:
+        interval = info.data.get("metrics_interval_s")
+        if interval is not None and value <= interval:
+            raise ValueError(f"must be > metrics_interval_s ({interval})")
+        return value
 
 
-@dataclass(frozen=True)
-class ReplicaResources:
+class ReplicaResources(BaseModel):
     """Ray resources of one engine replica: one GPU each on GPU nodes, CPUs on a laptop.
     With ``tensor_parallel_size`` N these are one rank's: a replica reserves N such bundles."""
 
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    model_config = _CONFIG
 
-    def __post_init__(self) -> None:
-        _check(_is_num(self.num_cpus) and self.num_cpus >= 0, "num_cpus", "a number >= 0", self.num_cpus)
-        _check(_is_num(self.num_gpus) and self.num_gpus >= 0, "num_gpus", "a number >= 0", self.num_gpus)
+    num_cpus: Float = Field(1.0, ge=0)
+    num_gpus: Float = Field(0.0, ge=0)
 
 
-@dataclass(frozen=True)
-class IngressOptions:
-    num_replicas: int = 1
-    num_cpus: float = 0.5
-    max_ongoing_requests: int = 1024
+class IngressOptions(BaseModel):
+    model_config = _CONFIG
+
+    num_replicas: Int = Field(1, ge=1)
+    num_cpus: Float = Field(0.5, ge=0)
+    max_ongoing_requests: Int = Field(1024, ge=1)
     """Concurrent streams one ingress replica holds (Serve's default of 5 would throttle it)."""
 
-    def __post_init__(self) -> None:
-        _check(_is_int(self.num_replicas) and self.num_replicas >= 1, "num_replicas", "an integer >= 1",
-               self.num_replicas)
-        _check(_is_num(self.num_cpus) and self.num_cpus >= 0, "num_cpus", "a number >= 0", self.num_cpus)
-        _check(_is_int(self.max_ongoing_requests) and self.max_ongoing_requests >= 1, "max_ongoing_requests",
-               "an integer >= 1", self.max_ongoing_requests)
 
+class AppConfig(BaseModel):
+    model_config = _CONFIG
 
-@dataclass(frozen=True)
-class AppConfig:
-    model: str = DEFAULT_MODEL
+    model: Str = Field(DEFAULT_MODEL, min_length=1)
     """A local HF model directory or a built-in name (engine.models_hub)."""
-    served_model_name: str | None = None
+    served_model_name: Str | None = Field(None, min_length=1)
     """The id clients use (/v1/models); default: the built-in name or the directory's name."""
-    engine: tuple[tuple[str, Any], ...] = ()
-    """Flat engine options (EngineConfig.from_options); written as a mapping in YAML."""
-    num_replicas: int = 1
+    engine: dict[Str, Any] = Field(default_factory=dict)
+    """Flat engine options (EngineConfig.from_options), checked here so a bad one fails now,
+    not later in every replica."""
+    num_replicas: Int = Field(1, ge=1)
     """Fixed replica count; leave out when ``autoscaling`` is given."""
     autoscaling: AutoscalingKnobs | None = None
-    replica_resources: ReplicaResources = field(default_factory=ReplicaResources)
-    ingress: IngressOptions = field(default_factory=IngressOptions)
-    routing: str = "slot_aware"
+    replica_resources: ReplicaResources = Field(default_factory=ReplicaResources)
+    ingress: IngressOptions = Field(default_factory=IngressOptions)
+    routing: Literal[ROUTING_MODES] = "slot_aware"
     """``slot_aware`` (router.request_router) or ``default`` (Serve's power-of-two choices)."""
-    routing_stats_period_s: float = 0.5
-    max_ongoing_requests: int | None = None
+    routing_stats_period_s: Float = Field(0.5, gt=0)
+    max_ongoing_requests: Int | None = Field(None, ge=1)
     """Per engine replica; default max_num_seqs + max_waiting + 16, so the engine's own
     queue (and its overload error) is what bounds a replica, not Serve's."""
-    drain_timeout_s: float = 30.0
-    health_check_period_s: float = 5.0
-    health_check_timeout_s: float = 30.0
-    max_prompt_tokens: int | None = None
-    max_prompt_chars: int = 2_000_000
-    default_max_tokens: int = 256
-    request_timeout_s: float | None = None
-    max_body_bytes: int = 8 * 1024 * 1024
-    api_keys: tuple[str, ...] = ()
-    api_keys_file: str | None = None
+    drain_timeout_s: Float = Field(30.0, ge=0)
+    health_check_period_s: Float = Field(5.0, gt=0)
+    health_check_timeout_s: Float = Field(30.0, gt=0)
+    max_prompt_tokens: Int | None = Field(None, ge=1)
+    max_prompt_chars: Int = Field(2_000_000, ge=1)
+    default_max_tokens: Int = Field(256, ge=1)
+    request_timeout_s: Float | None = Field(None, gt=0)
+    max_body_bytes: Int = Field(8 * 1024 * 1024, ge=1)
+    api_keys: tuple[Str, ...] = Field((), repr=False)
+    """Strings of at least 8 characters; never shown in errors or logs."""
+    api_keys_file: Str | None = Field(None, min_length=1)
     """One key per line, re-read when it changes (a mounted Kubernetes Secret rotates in place)."""
 
-    def __post_init__(self) -> None:
-        _check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty path or model name", self.model)
-        _check(self.served_model_name is None or (isinstance(self.served_model_name, str) and self.served_model_name),
-               "served_model_name", "a non-empty string or null", self.served_model_name)
-        _check(_is_int(self.num_replicas) and self.num_replicas >= 1, "num_replicas", "an integer >= 1",
-               self.num_replicas)
-        _check(self.routing in ROUTING_MODES, "routing", f"one of {ROUTING_MODES}", self.routing)
-        for name in ("routing_stats_period_s", "health_check_period_s", "health_check_timeout_s"):
-            _check(_is_num(getattr(self, name)) and getattr(self, name) > 0, name, "a number > 0", getattr(self, name))
-        _check(_is_num(self.drain_timeout_s) and self.drain_timeout_s >= 0, "drain_timeout_s", "a number >= 0",
-               self.drain_timeout_s)
-        for name in ("max_ongoing_requests", "max_prompt_tokens"):
-            value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value >= 1), name, "an integer >= 1 or null", value)
-        for name in ("max_prompt_chars", "default_max_tokens", "max_body_bytes"):
-            _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1",
-                   getattr(self, name))
-        _check(self.request_timeout_s is None or (_is_num(self.request_timeout_s) and self.request_timeout_s > 0),
-               "request_timeout_s", "a number > 0 or null", self.request_timeout_s)
-        _check(all(isinstance(k, str) and len(k) >= 8 for k in self.api_keys), "api_keys",
-               "a list of strings of at least 8 characters", "[redacted]")
-        _check(self.api_keys_file is None or (isinstance(self.api_keys_file, str) and self.api_keys_file),
-               "api_keys_file", "a file path or null", self.api_keys_file)
-        try:  # fail now, not later in every replica
-            EngineConfig.from_options(self.model, **self.engine_options)
-        except ValueError as exc:
-            raise ValueError(f"engine: {exc}") from None
-        if self.tensor_parallel_size > 1:  # one placement-group bundle per rank
-            res = self.replica_resources
-            _check(res.num_gpus in (0, 1), "replica_resources.num_gpus",
-                   "0 or 1 with tensor_parallel_size > 1 (it is one rank's share)", res.num_gpus)
-            _check(res.num_cpus > 0 or res.num_gpus > 0, "replica_resources",
-                   "non-zero with tensor_parallel_size > 1 (each rank reserves a bundle)", dataclasses.asdict(res))
+    @model_validator(mode="before")
+    @classmethod
+    def _replicas_or_autoscaling(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("autoscaling") is not None and "num_replicas" in data:
+            raise ValueError("give num_replicas or autoscaling, not both")
+        return data
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "model" in info.data:
+            EngineConfig.from_options(info.data["model"], **options)  # its ValueError names the option
+        return options
+
+    @field_validator("api_keys")
+    @classmethod
+    def _long_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        if any(len(k) < 8 for k in keys):
+            raise ValueError("must be strings of at least 8 characters")
+        return keys
+
+    @model_validator(mode="after")
+    def _one_bundle_per_rank(self) -> "AppConfig":
+        res = self.replica_resources
+        if self.tensor_parallel_size > 1 and res.num_gpus not in (0, 1):
+            raise ValueError("replica_resources.num_gpus must be 0 or 1 with tensor_parallel_size > 1 "
+                             f"(it is one rank's share), got {res.num_gpus}")
+        if self.tensor_parallel_size > 1 and res.num_cpus == 0 and res.num_gpus == 0:
+            raise ValueError("replica_resources must be non-zero with tensor_parallel_size > 1 "
+                             "(each rank reserves a bundle)")
+        return self
 
     @property
     def engine_options(self) -> dict[str, Any]:
@@ -176,8 +162,7 @@ class AppConfig:
         return PurePath(self.model.rstrip("/")).name or self.model
 
     def engine_scheduler(self) -> SchedulerConfig:
-        names = {f.name for f in dataclasses.fields(SchedulerConfig)}
-        return SchedulerConfig(**{k: v for k, v in self.engine if k in names})
+        return EngineConfig.from_options(self.model, **self.engine).scheduler
 
     def engine_max_ongoing_requests(self) -> int:
         if self.max_ongoing_requests is not None:
@@ -188,38 +173,9 @@ class AppConfig:
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> "AppConfig":
         """From ``applications[].args``; errors name the field (``autoscaling.max_replicas ...``)."""
-        return _build(cls, dict(args or {}), "")
-
-
-_NESTED = {"autoscaling": AutoscalingKnobs, "replica_resources": ReplicaResources, "ingress": IngressOptions}
-
-
-def _build(cls, data: Any, path: str):
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{path.rstrip('.') or 'args'} must be a mapping, got {type(data).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(path + k for k in unknown)}; allowed: {', '.join(names)}")
-    if cls is AppConfig and data.get("autoscaling") is not None and "num_replicas" in data:
-        raise ValueError("give num_replicas or autoscaling, not both")
-    kwargs = {}
-    for key, value in data.items():
-        if cls is AppConfig and key in _NESTED and value is not None:
-            value = _build(_NESTED[key], value, f"{path}{key}.")
-        elif cls is AppConfig and key == "engine":
-            if not isinstance(value, Mapping):
-                raise ValueError(f"engine must be a mapping of engine options, got {type(value).__name__}")
-            value = tuple(sorted(value.items()))
-        elif cls is AppConfig and key == "api_keys":
-            if not isinstance(value, (list, tuple)):
-                raise ValueError("api_keys must be a list of strings")
-            value = tuple(value)
-        kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except ValueError as exc:
-        message = str(exc)
-        if path and not message.startswith(path):
-            message = path + message
-        raise ValueError(message) from None
+        if args is not None and not isinstance(args, Mapping):
+            raise ValueError(f"args must be a mapping, got {type(args).__name__}")
+        try:
+            return cls.model_validate(dict(args or {}))
+        except ValidationError as exc:
+            raise ValueError("; ".join(e.message for e in field_errors(exc, cls))) from None

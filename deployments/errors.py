@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
+import ray.exceptions as ray_exceptions
+import ray.serve.exceptions as ray_serve_exceptions
+
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 
@@ -89,26 +92,20 @@ class Cancelled(ServingError):
     metric_reason = None  # the client went away: nothing was refused
 
 
-# Ray's exception classes, by name: matching names keeps this module (and the unit
-# tests of everything above the ingress) free of a ray import.
-_RAY_UNAVAILABLE = {"DeploymentUnavailableError", "RayActorError", "ActorDiedError",
-                    "ActorUnavailableError", "ActorUnschedulableError", "WorkerCrashedError",
-                    "NodeDiedError"}
-_RAY_OVERLOADED = {"BackPressureError"}
-_RAY_CANCELLED = {"RequestCancelledError", "TaskCancelledError"}
-
-
-def _class_names(exc: BaseException) -> set[str]:
-    return {klass.__name__ for klass in type(exc).__mro__}
+# Ray's failures by type. RequestCancelledError is a TaskCancelledError; RayActorError
+# covers ActorDiedError and ActorUnavailableError.
+_RAY_UNAVAILABLE = (ray_serve_exceptions.DeploymentUnavailableError, ray_serve_exceptions.ReplicaUnavailableError,
+                    ray_exceptions.RayActorError, ray_exceptions.ActorUnschedulableError,
+                    ray_exceptions.WorkerCrashedError, ray_exceptions.NodeDiedError)
+_RAY_CANCELLED = (ray_exceptions.TaskCancelledError,)
 
 
 def unwrap(exc: BaseException) -> BaseException:
     """The original exception behind Ray's wrappers (RayTaskError, gRPCStatusError)."""
     for _ in range(8):  # wrappers nest at most a few levels; never loop forever
-        names = _class_names(exc)
-        if "RayTaskError" in names and getattr(exc, "cause", None) is not None:
+        if isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None:
             exc = exc.cause
-        elif "gRPCStatusError" in names and getattr(exc, "original_exception", None) is not None:
+        elif isinstance(exc, ray_serve_exceptions.gRPCStatusError) and exc.original_exception is not None:
             exc = exc.original_exception
         else:
             break
@@ -117,7 +114,6 @@ def unwrap(exc: BaseException) -> BaseException:
 
 def to_serving_error(exc: BaseException) -> ServingError:
     exc = unwrap(exc)
-    names = _class_names(exc)
     if isinstance(exc, ServingError):
         return exc
     if isinstance(exc, InvalidRequestError):
@@ -125,16 +121,16 @@ def to_serving_error(exc: BaseException) -> ServingError:
     if isinstance(exc, EngineOverloadedError):
         message = _message(exc)
         return Overloaded(message if "retry" in message else f"{message}; retry later")
-    if names & _RAY_OVERLOADED:
+    if isinstance(exc, ray_serve_exceptions.BackPressureError):
         return Overloaded(f"too many requests queued for the engine replicas ({_message(exc)}); retry later")
     if isinstance(exc, EngineDeadError):
         return Unavailable(f"engine replica unavailable: {exc}. Retry; the replica is being replaced.")
-    if names & _RAY_UNAVAILABLE:
+    if isinstance(exc, _RAY_UNAVAILABLE):
         return Unavailable(f"no engine replica could take the request ({type(exc).__name__}). "
                            "Retry shortly; replicas may be starting or restarting.")
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return DeadlineExceeded("the request did not finish before its deadline")
-    if isinstance(exc, asyncio.CancelledError) or names & _RAY_CANCELLED:
+    if isinstance(exc, (asyncio.CancelledError, *_RAY_CANCELLED)):
         return Cancelled("the request was cancelled")
     return ServingError(f"internal error: {type(exc).__name__}: {_message(exc)}")
 

@@ -21,9 +21,10 @@ from deployments.errors import (BadRequest, DeadlineExceeded, ModelNotFound, Ove
                                 ServingError, Unavailable, to_serving_error, unwrap)
 from deployments.metrics import IngressMetrics
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
-                                  check_priority, check_request_id, check_text, check_timeout, check_token_ids,
-                                  new_request_id, parse_messages)
+                                  check_messages_length, check_text, check_vocab, effective_timeout, new_request_id,
+                                  parse_messages)
 from deployments.textstream import TextAssembler, TextDelta
+from deployments.tracing import Tracing
 from engine.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class _Inflight:
 
 
 class Frontend:
-    def __init__(self, config: FrontendConfig, tokenizer, engine: EngineClient) -> None:
+    def __init__(self, config: FrontendConfig, tokenizer, engine: EngineClient, tracing: Tracing | None = None) -> None:
+        """``tracing``: where request spans go (default: as the ``OTEL_*`` environment variables say)."""
         self.config = config
         self.tokenizer = tokenizer
         self._engine = engine
@@ -79,6 +81,7 @@ class Frontend:
         self._keys = ApiKeys(config.api_keys, config.api_keys_file)
         self._admission = Admission(engine.replica_loads if engine is not None else None, config.ingress_replicas)
         self.metrics = IngressMetrics.for_model(config.served_model_name)  # rejections, counted by the protocols
+        self.tracing = tracing if tracing is not None else Tracing.from_env()  # spans, started by the protocols
 
     # -- checks every protocol shares ------------------------------------------------
 
@@ -140,10 +143,10 @@ class Frontend:
         return list(self.tokenizer.encode(text))
 
     def tokenize_messages(self, messages: Sequence[ChatMessage] | Sequence[dict]) -> list[int]:
-        parsed = parse_messages(messages, self.config.max_prompt_chars)
+        parsed = parse_messages(messages)
+        check_messages_length(parsed, self.config.max_prompt_chars)
         try:
-            ids = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in parsed],
-                                                     add_generation_prompt=True)
+            ids = self.tokenizer.apply_chat_template(parsed, add_generation_prompt=True)
         except InvalidRequestError as exc:
             raise BadRequest(str(exc), param="messages") from None
         except (ValueError, KeyError, TypeError) as exc:
@@ -158,21 +161,22 @@ class Frontend:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
 
-    async def prepare(self, inp: GenerateInput) -> PreparedRequest:
+    async def prepare(self, inp: GenerateInput, trace_context: str | None = None) -> PreparedRequest:
+        """``trace_context``: the W3C traceparent the engine replica's spans descend from (the ingress span's)."""
         self.check_model(inp.model)
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(inp, name) is not None]
         if len(given) != 1:
             raise BadRequest("give exactly one of prompt, messages or prompt_token_ids"
                              + (f" (got {', '.join(given)})" if given else ""), param="prompt")
-        client_request_id = check_request_id(inp.request_id)
         info = await self.engine_info()
         if inp.prompt is not None:
             ids = await self.off_loop(len(inp.prompt), self.tokenize_text, inp.prompt)
         elif inp.messages is not None:
-            size = sum(len(getattr(m, "content", "") or "") for m in inp.messages)
+            size = sum(len(m.content) for m in inp.messages)
             ids = await self.off_loop(size, self.tokenize_messages, inp.messages)
         else:
-            ids = list(check_token_ids("prompt_token_ids", inp.prompt_token_ids, info["vocab_size"]))
+            check_vocab(inp.prompt_token_ids, info["vocab_size"])
+            ids = list(inp.prompt_token_ids)
         if not ids:
             raise BadRequest("the prompt tokenizes to zero tokens; send some text", param="prompt")
         limit = self._max_prompt_tokens(info)
@@ -182,9 +186,10 @@ class Frontend:
         params = build_sampling_params(inp.sampling, num_prompt_tokens=len(ids), max_model_len=info["max_model_len"],
                                        default_max_tokens=inp.default_max_tokens or self.config.default_max_tokens)
         return PreparedRequest(request_id=new_request_id(), prompt_token_ids=tuple(ids), params=params,
-                               priority=check_priority(inp.priority),
-                               timeout_s=check_timeout(inp.timeout_s, self.config.request_timeout_s),
-                               trace_context=inp.trace_context, client_request_id=client_request_id)
+                               priority=inp.priority,
+                               timeout_s=effective_timeout(inp.timeout_s, self.config.request_timeout_s),
+                               trace_context=trace_context, client_request_id=inp.request_id,
+                               operation="chat" if inp.messages is not None else "text_completion")
 
     # -- streaming -------------------------------------------------------------------
 

@@ -7,13 +7,15 @@ deserializing request!"; these register the same methods with no request
 deserializer, so the raw bytes travel to the ingress, which answers INVALID_ARGUMENT
 with a readable message (``grpc_service.parse``). Reflection still sees the real
 schemas through the generated descriptors imported here.
+
+grpc.health.v1.Health is registered by ``grpcio-health-checking``'s own function: its
+requests are one optional string, parsed in the proxy like any standard health check.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from deployments.proto_gen.grpc.health.v1 import health_pb2
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2
 
 _KINDS = {
@@ -41,11 +43,7 @@ def add_slotserve_servicer(servicer, server) -> None:
     _register(servicer, server, slotserve_pb2.DESCRIPTOR.services_by_name["SlotServe"], _classes(slotserve_pb2))
 
 
-def add_health_servicer(servicer, server) -> None:
-    _register(servicer, server, health_pb2.DESCRIPTOR.services_by_name["Health"], _classes(health_pb2))
-
-
 SERVICER_FUNCTIONS = (
     "deployments.grpc_registration.add_slotserve_servicer",
-    "deployments.grpc_registration.add_health_servicer",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 )

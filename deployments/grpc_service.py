@@ -1,7 +1,8 @@
 """The slotserve.v1.SlotServe gRPC service (and grpc.health.v1.Health), as ingress methods.
 
 Ray Serve's gRPC proxy calls deployment methods named after the RPCs and passes the
-request as raw bytes (see ``grpc_registration``), so a malformed message is reported
+request as raw bytes (see ``grpc_registration``; health checks arrive parsed by
+``grpcio-health-checking``'s registration), so a malformed message is reported
 as INVALID_ARGUMENT here instead of failing inside grpc's deserializer. Errors set the
 status code on Serve's ``grpc_context`` and raise: Serve then sends that code and
 message, also after a stream has started.
@@ -15,12 +16,12 @@ from typing import Any, AsyncIterator, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 from deployments.errors import BadRequest, ServingError, to_serving_error
 from deployments.frontend import Frontend
-from deployments.proto_gen.grpc.health.v1 import health_pb2
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
-from deployments.requests import ChatMessage, GenerateInput
+from deployments.requests import GenerateInput, parse_messages
 from deployments.textstream import TextDelta
 
 SERVICE_NAME = "slotserve.v1.SlotServe"
@@ -31,6 +32,7 @@ _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WATCH_PERIOD_S = 5.0
+_GENERATE_RPC = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": "Generate"}  # span attributes
 
 
 def parse(message_class, raw: Any):
@@ -55,7 +57,7 @@ def metadata(grpc_context, key: str) -> str | None:
     return None
 
 
-def generate_input(msg: pb.GenerateRequest, trace_context: str | None = None) -> GenerateInput:
+def generate_input(msg: pb.GenerateRequest) -> GenerateInput:
     s = msg.sampling
     sampling: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     if s.stop:
@@ -72,14 +74,16 @@ def generate_input(msg: pb.GenerateRequest, trace_context: str | None = None) ->
         messages=_messages(msg.messages) if which == "messages" else None,
         prompt_token_ids=tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
         sampling=sampling, model=msg.model or None, request_id=msg.request_id or None,
-        priority=msg.priority, timeout_s=msg.timeout_s or None, trace_context=trace_context)
+        priority=msg.priority, timeout_s=msg.timeout_s or None)
 
 
-def _messages(messages: pb.Messages) -> tuple[ChatMessage, ...]:
-    return tuple(ChatMessage(role=m.role, content=m.content) for m in messages.messages)
+def _messages(messages: pb.Messages) -> list[dict]:
+    """Plain fields: GenerateInput validates them, naming the bad one (messages.0.role)."""
+    return [{"role": m.role, "content": m.content} for m in messages.messages]
 
 
-def delta_to_proto(delta: TextDelta) -> pb.GenerateResponse:
+def delta_to_proto(delta: TextDelta, audit: bool = False) -> pb.GenerateResponse:
+    """``audit``: the client asked for the audit trail (only the last delta has one)."""
     out = pb.GenerateResponse(request_id=delta.request_id, client_request_id=delta.client_request_id or "",
                               text=delta.text, token_ids=delta.token_ids,
                               finish_reason=_FINISH[delta.finish_reason])
@@ -91,6 +95,8 @@ def delta_to_proto(delta: TextDelta) -> pb.GenerateResponse:
         entry = out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, token=lp.token)
         for token_id, logprob, token in lp.top:
             entry.top_logprobs.add(token_id=token_id, logprob=logprob, token=token)
+    if audit and delta.audit:
+        out.audit.extend(pb.AuditEvent(**event) for event in delta.audit)
     return out
 
 
@@ -109,17 +115,25 @@ class SlotServeGrpcMixin:
     frontend: Frontend
 
     async def Generate(self, request, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
+        traceparent = metadata(grpc_context, "traceparent")
+        span = self.frontend.tracing.start_ingress(f"{SERVICE_NAME}/Generate", self.frontend.config.served_model_name,
+                                                   traceparent, metadata(grpc_context, "tracestate"), _GENERATE_RPC)
+        last = None
         try:
             self.frontend.authorize(metadata(grpc_context, "authorization"))  # before parsing: no key, no detail
             msg = parse(pb.GenerateRequest, request)
-            trace = grpc_context.traceparent() if grpc_context is not None else None
-            prepared = await self.frontend.prepare(generate_input(msg, trace))
+            prepared = await self.frontend.prepare(generate_input(msg), span.engine_traceparent(traceparent))
+            span.on_request(prepared.operation, prepared.request_id, prepared.params)
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
                 async for delta in deltas:
-                    yield delta_to_proto(delta)
+                    last = delta
+                    yield delta_to_proto(delta, msg.return_audit)
         except Exception as exc:
+            span.end(last, exc)
             self.frontend.metrics.rejected(exc)
             fail(grpc_context, exc)
+        finally:
+            span.end(last)  # done, or the client went away (no error of ours)
 
     async def Abort(self, request, grpc_context=None) -> pb.AbortResponse:
         try:
@@ -140,7 +154,7 @@ class SlotServeGrpcMixin:
             if which == "text":
                 ids = await self.frontend.off_loop(len(msg.text), self.frontend.tokenize_text, msg.text, "text")
             elif which == "messages":
-                messages = _messages(msg.messages)
+                messages = parse_messages(_messages(msg.messages))
                 ids = await self.frontend.off_loop(sum(len(m.content) for m in messages),
                                                    self.frontend.tokenize_messages, messages)
             else:
@@ -184,6 +198,15 @@ class SlotServeGrpcMixin:
         try:
             msg = parse(health_pb2.HealthCheckRequest, request)
             return health_pb2.HealthCheckResponse(status=await self._health_status(msg.service))
+        except Exception as exc:
+            fail(grpc_context, exc)
+
+    async def List(self, request, grpc_context=None) -> health_pb2.HealthListResponse:
+        try:
+            parse(health_pb2.HealthListRequest, request)
+            statuses = {name: health_pb2.HealthCheckResponse(status=await self._health_status(name))
+                        for name in ("", SERVICE_NAME)}
+            return health_pb2.HealthListResponse(statuses=statuses)
         except Exception as exc:
             fail(grpc_context, exc)
 

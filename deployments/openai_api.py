@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with
 ``stream: true``), GET /v1/models, GET /v1/models/{id}, plus GET /health (an engine is
-ready) and GET /load (per-replica load). Errors use OpenAI's body
+ready) and GET /load (per-replica load). A request with the header ``x-slotserve-audit: true``
+gets its scheduling audit trail in ``usage.audit`` (docs/OBSERVABILITY.md). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` and status codes: 400 bad request,
 401 bad API key, 404 unknown model, 413 body too large, 429 engine queue full,
 503 no healthy engine, 504 server-side deadline.
@@ -10,7 +11,6 @@ ready) and GET /load (per-replica load). Errors use OpenAI's body
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from typing import AsyncIterator
@@ -22,9 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
 from deployments.frontend import Frontend
 from deployments.openai_protocol import ParsedBody, ResponseBuilder, parse_chat_body, parse_completion_body
-from deployments.requests import check_request_id
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+AUDIT_HEADER = "x-slotserve-audit"
 
 
 class _AsciiJSONResponse(JSONResponse):
@@ -127,23 +127,34 @@ class OpenAIRoutes:
             return error_response(exc)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
+        path, traceparent = request.url.path, request.headers.get("traceparent")
+        span = self.frontend.tracing.start_ingress(f"POST {path}", self.frontend.config.served_model_name, traceparent,
+                                                   request.headers.get("tracestate"),
+                                                   {"http.request.method": "POST", "url.path": path})
         try:
             self.frontend.authorize(request.headers.get("authorization"))
             body = await _read_json(request, self.max_body_bytes)
-            request_id = check_request_id(request.headers.get("x-request-id"))
-            parsed = (parse_chat_body if chat else parse_completion_body)(body, request_id)
-            inp = dataclasses.replace(parsed.input, trace_context=request.headers.get("traceparent"))
-            prepared = await self.frontend.prepare(inp)
+            parsed = (parse_chat_body if chat else parse_completion_body)(body, request.headers.get("x-request-id"))
+            audit = _wants_audit(request.headers.get(AUDIT_HEADER), parsed)
+            # Passed beside the input, not into it: a copy would validate the whole body again.
+            prepared = await self.frontend.prepare(parsed.input, span.engine_traceparent(traceparent))
+            span.on_request(prepared.operation, prepared.request_id, prepared.params)
             builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name)
             if parsed.stream:
-                return await self._stream(prepared, parsed, builder)
+                return await self._stream(prepared, parsed, builder, span, audit)
             _, deltas = await self.frontend.generate_all(prepared)
-            return JSONResponse(builder.whole(deltas), headers={"x-request-id": _echo_id(prepared)})
+            span.end(deltas[-1])
+            return JSONResponse(_with_audit(builder.whole(deltas), deltas[-1], audit),
+                                headers={"x-request-id": _echo_id(prepared)})
         except Exception as exc:
+            span.end(error=exc)
             self.frontend.metrics.rejected(exc)
             return error_response(exc)
+        except BaseException:  # cancelled: the client went away
+            span.end()
+            raise
 
-    async def _stream(self, prepared, parsed: ParsedBody, builder: ResponseBuilder) -> Response:
+    async def _stream(self, prepared, parsed: ParsedBody, builder: ResponseBuilder, span, audit: bool) -> Response:
         deltas = self.frontend.stream(prepared)
         try:
             # Wait for the first delta so that a rejection (overload, bad request found by
@@ -152,7 +163,7 @@ class OpenAIRoutes:
         except BaseException:
             await deltas.aclose()
             raise
-        return StreamingResponse(_events(first, deltas, parsed, builder, self.frontend.metrics),
+        return StreamingResponse(_events(first, deltas, parsed, builder, self.frontend.metrics, span, audit),
                                  media_type="text/event-stream",
                                  headers={"x-request-id": _echo_id(prepared), "cache-control": "no-cache"})
 
@@ -162,7 +173,26 @@ def _echo_id(prepared) -> str:
     return prepared.client_request_id or prepared.request_id
 
 
-async def _events(first, deltas: AsyncIterator, parsed: ParsedBody, builder: ResponseBuilder, metrics):
+def _wants_audit(header: str | None, parsed: ParsedBody) -> bool:
+    value = (header or "false").strip().lower()
+    if value not in ("true", "1", "false", "0"):
+        raise BadRequest(f"{AUDIT_HEADER} must be true or false, got {header!r}", param=AUDIT_HEADER)
+    audit = value in ("true", "1")
+    if audit and parsed.stream and not parsed.include_usage:
+        raise BadRequest(f"{AUDIT_HEADER} on a stream needs stream_options.include_usage=true: the audit "
+                         "trail comes in the usage chunk", param="stream_options")
+    return audit
+
+
+def _with_audit(body: dict, last, audit: bool) -> dict:
+    """The audit trail as an extension of OpenAI's usage object, when the client asked for it."""
+    if audit and body.get("usage") is not None:
+        body["usage"]["audit"] = list(last.audit or ())
+    return body
+
+
+async def _events(first, deltas: AsyncIterator, parsed: ParsedBody, builder: ResponseBuilder, metrics, span,
+                  audit: bool):
     try:
         opening = builder.first_chunk()
         if opening is not None:
@@ -173,14 +203,17 @@ async def _events(first, deltas: AsyncIterator, parsed: ParsedBody, builder: Res
             if delta.finish_reason is not None:
                 break
             delta = await deltas.__anext__()
+        span.end(delta)
         if parsed.include_usage:
-            yield _sse(builder.usage_chunk(delta.usage))
+            yield _sse(_with_audit(builder.usage_chunk(delta.usage), delta, audit))
         yield "data: [DONE]\n\n"
     except Exception as exc:  # the status line is gone: report in-band, as OpenAI does
+        span.end(error=exc)
         metrics.rejected(exc)
         err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
         yield _sse(err.openai_body())
     finally:
+        span.end()  # the client went away mid-stream (no-op when already ended)
         await deltas.aclose()
 
 

@@ -1,11 +1,11 @@
 """OpenAI request bodies in, OpenAI-shaped responses out (completions and chat).
 
-Bodies are checked by hand rather than by pydantic models so that every error is a
-``BadRequest`` naming the field, in OpenAI's error shape. vLLM's extra sampling fields
-(top_k, min_p, repetition_penalty, seed, ignore_eos, min_tokens, stop_token_ids,
-priority, ...) are accepted next to OpenAI's; fields that would change the meaning
-of a request but are not served (n > 1, logit_bias, tools, echo, ...) are refused by
-name instead of being silently ignored.
+The request bodies are pydantic models: every error is a ``BadRequest`` naming the
+field as OpenAI's ``param`` (``messages.0.role``). vLLM's extra sampling fields (top_k,
+min_p, repetition_penalty, seed, ignore_eos, min_tokens, stop_token_ids, priority, ...)
+are accepted next to OpenAI's and checked by ``SamplingParams``; fields that would
+change the meaning of a request but are not served (n > 1, logit_bias, tools, echo,
+...) are refused by name instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -14,20 +14,149 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
 from deployments.errors import BadRequest
-from deployments.requests import GenerateInput
+from deployments.requests import GenerateInput, Messages, bad_request
 from deployments.textstream import TextDelta, TokenLogprob, Usage
+from engine.validation import Bool, field_errors
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
                 "include_stop_str_in_output")
-_IGNORED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")  # no effect on the output
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "n", "logit_bias", "priority", *_PASSTHROUGH,
-           *_IGNORED}
-_COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                          "tools", "tool_choice"}
+_REFUSED = {  # field: (the values served, why others are not)
+    "n": ((None, 1), "one completion per request"),
+    "logit_bias": ((None, {}), "logit_bias is not implemented"),
+    "echo": ((None, False), "the prompt is not echoed back"),
+    "best_of": ((None, 1), "one candidate per request"),
+    "suffix": ((None, ""), "insertion (suffix) is not supported"),
+    "tools": ((None, []), "tool calling is not implemented"),
+    "tool_choice": ((None, "none"), "tool calling is not implemented"),
+    "response_format": ((None, {"type": "text"}), "only {'type': 'text'}: structured output is not implemented"),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
+
+
+class _Request(BaseModel):
+    """What both endpoints accept. Sampling values are checked by SamplingParams and
+    ``priority`` by GenerateInput, each under its own name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    model: Any = Field(description="a model id from /v1/models")
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Any = None
+    priority: Any = 0
+    temperature: Any = None
+    top_p: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    seed: Any = None
+    stop: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    ignore_eos: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    n: Any = None
+    logit_bias: Any = None
+    # no effect on the output
+    user: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+
+    @field_validator("model")
+    @classmethod
+    def _model_id(cls, model: Any) -> Any:
+        # any string goes on: one not served is NOT_FOUND (the frontend's check), not a bad request
+        if not isinstance(model, str) or not model:
+            raise ValueError("must be a model id from /v1/models")
+        return model
+
+    @field_validator("stream_options")
+    @classmethod
+    def _with_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed with stream=true")
+        return options
+
+    @field_validator(*_REFUSED, check_fields=False)
+    @classmethod
+    def _served(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed, why = _REFUSED[info.field_name]
+        if value not in allowed:
+            raise ValueError(f"is not supported ({why})")
+        return value
+
+    def sampling(self) -> dict[str, Any]:
+        fields = {k: getattr(self, k) for k in _PASSTHROUGH if getattr(self, k) is not None}
+        if self.max_tokens is not None:
+            fields["max_tokens"] = self.max_tokens
+        return fields
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Request):
+    prompt: Any = Field(description="a string or a list of token ids")
+    logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | tuple[int, ...]:
+        """A string or token ids; a batch of one is unwrapped. The values are GenerateInput's to check."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return tuple(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError("must be one prompt per request (batches of prompts are not supported)")
+        raise ValueError("must be a non-empty string or a non-empty list of token ids")
+
+
+class ChatRequest(_Request):
+    messages: Messages = Field(description="a list of {role, content} objects")
+    max_completion_tokens: Any = None
+    logprobs: Bool | None = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: Any, info: ValidationInfo) -> Any:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("is only allowed with logprobs=true")
+        return top
+
+    def sampling(self) -> dict[str, Any]:
+        fields = super().sampling()
+        if self.max_completion_tokens is not None:
+            fields["max_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            fields["logprobs"] = 0 if self.top_logprobs is None else self.top_logprobs
+        return fields
 
 
 @dataclass(frozen=True)
@@ -37,103 +166,35 @@ class ParsedBody:
     include_usage: bool
 
 
-def _require_object(body: Any) -> Mapping:
+def _validate(model: type[_Request], body: Any) -> _Request:
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-def _check_fields(body: Mapping, allowed: set[str], endpoint: str) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unknown field(s) for {endpoint}: {', '.join(unknown)}", param=unknown[0])
-
-
-def _refuse(body: Mapping, name: str, allowed: tuple, why: str) -> None:
-    if name in body and body[name] not in allowed:
-        raise BadRequest(f"{name}={body[name]!r} is not supported: {why}", param=name)
-
-
-def _common(body: Mapping) -> tuple[dict, bool, bool]:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model is required: a model id from /v1/models", param="model")
-    _refuse(body, "n", (None, 1), "one completion per request")
-    _refuse(body, "logit_bias", (None, {}), "logit_bias is not implemented")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest(f"stream must be true or false, got {stream!r}", param="stream")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise BadRequest("stream_options is only allowed with stream=true", param="stream_options")
-        if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise BadRequest("stream_options must be an object with include_usage", param="stream_options")
-        include_usage = bool(options.get("include_usage", False))
-    sampling = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
-    if body.get("max_tokens") is not None:
-        sampling["max_tokens"] = body["max_tokens"]
-    return sampling, stream, include_usage
+    unknown = [k for k in body if k not in model.model_fields]
+    if unknown:  # here, not by pydantic: a key with a lone surrogate would lose its name there
+        raise BadRequest(f"unknown field {unknown[0]}; allowed: {', '.join(model.model_fields)}", param=unknown[0])
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise bad_request(field_errors(exc, model)) from None
 
 
 def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBody:
-    body = _require_object(body)
-    _check_fields(body, _COMPLETION_FIELDS, "/v1/completions")
-    sampling, stream, include_usage = _common(body)
-    _refuse(body, "echo", (None, False), "the prompt is not echoed back")
-    _refuse(body, "best_of", (None, 1), "one candidate per request")
-    _refuse(body, "suffix", (None, ""), "insertion (suffix) is not supported")
-    if body.get("logprobs") is not None:
-        sampling["logprobs"] = body["logprobs"]
-    prompt, token_ids = _completion_prompt(body.get("prompt"))
-    return ParsedBody(GenerateInput(prompt=prompt, prompt_token_ids=token_ids, sampling=sampling,
-                                    model=body["model"], request_id=request_id, priority=body.get("priority", 0),
-                                    default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS),
-                      stream, include_usage)
-
-
-def _completion_prompt(prompt: Any) -> tuple[str | None, tuple | None]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return None, tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest("send one prompt per request (batches of prompts are not supported)", param="prompt")
-    if prompt is None:
-        raise BadRequest("prompt is required: a string or a list of token ids", param="prompt")
-    raise BadRequest("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
+    req = _validate(CompletionRequest, body)
+    sampling = req.sampling()
+    if req.logprobs is not None:
+        sampling["logprobs"] = req.logprobs
+    text = req.prompt if isinstance(req.prompt, str) else None
+    inp = GenerateInput(prompt=text, prompt_token_ids=None if text is not None else req.prompt, sampling=sampling,
+                        model=req.model, request_id=request_id, priority=req.priority,
+                        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return ParsedBody(inp, bool(req.stream), req.include_usage)
 
 
 def parse_chat_body(body: Any, request_id: str | None = None) -> ParsedBody:
-    body = _require_object(body)
-    _check_fields(body, _CHAT_FIELDS, "/v1/chat/completions")
-    sampling, stream, include_usage = _common(body)
-    _refuse(body, "tools", (None, []), "tool calling is not implemented")
-    _refuse(body, "tool_choice", (None, "none"), "tool calling is not implemented")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise BadRequest("response_format must be {'type': 'text'} (structured output is not implemented)",
-                         param="response_format")
-    if body.get("max_completion_tokens") is not None:
-        sampling["max_tokens"] = body["max_completion_tokens"]
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if logprobs not in (None, True, False):
-        raise BadRequest(f"logprobs must be true or false, got {logprobs!r}", param="logprobs")
-    if top is not None and not logprobs:
-        raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    if logprobs:
-        sampling["logprobs"] = 0 if top is None else top
-    messages = body.get("messages")
-    if messages is None:
-        raise BadRequest("messages is required: a list of {role, content} objects", param="messages")
-    return ParsedBody(GenerateInput(messages=messages, sampling=sampling, model=body["model"],
-                                    request_id=request_id, priority=body.get("priority", 0)),
-                      stream, include_usage)
+    req = _validate(ChatRequest, body)
+    inp = GenerateInput(messages=req.messages, sampling=req.sampling(), model=req.model, request_id=request_id,
+                        priority=req.priority)
+    return ParsedBody(inp, bool(req.stream), req.include_usage)
 
 
 # -- responses -------------------------------------------------------------------------

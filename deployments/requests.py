@@ -1,55 +1,82 @@
 """Client requests, validated: what the gRPC and HTTP layers hand to the frontend.
 
-Both protocols parse their wire format into a ``GenerateInput`` (text, chat messages
-or token ids plus vLLM-named sampling fields); ``build_sampling_params`` and the
-``check_*`` helpers turn every bad value into a ``BadRequest`` that names the field
-and what is allowed, before anything reaches an engine.
+Both protocols map their wire format onto a ``GenerateInput`` (text, chat messages or
+token ids plus vLLM-named sampling fields), a pydantic model: a bad value is a
+``BadRequest`` naming the field (``messages.0.role``, OpenAI's ``param``) and what is
+allowed, before anything is tokenized. Limits that depend on the server (prompt
+characters, vocabulary, context) are checked by the frontend with the same naming.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Mapping, Sequence
+
+from pydantic import Field, SkipValidation, TypeAdapter, ValidationError, field_validator
 
 from deployments.errors import BadRequest
-from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
-from engine.tokenizer import CHAT_ROLES
+from engine.tokenizer import ChatMessage
+from engine.validation import FieldError, Float, Int, Str, Text, field_errors, validated
 
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"extra", "n"}
 MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 1024
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
+def bad_request(errors: list[FieldError]) -> BadRequest:
+    """Every problem in the message; the first one's field is the ``param``."""
+    return BadRequest("; ".join(e.message for e in errors), param=errors[0].param)
 
 
-@dataclass(frozen=True)
+Messages = Annotated[tuple[ChatMessage, ...], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+
+@validated(bad_request)
+class _Messages:
+    messages: Messages
+
+
+def parse_messages(value: Any) -> tuple[ChatMessage, ...]:
+    """OpenAI-style chat messages: [{"role": ..., "content": str | [{"type": "text", ...}]}]."""
+    return _Messages(messages=value).messages
+
+
+@validated(bad_request)
 class GenerateInput:
     """One generation request as a client sent it, before tokenization.
 
     Exactly one of ``prompt``, ``messages`` and ``prompt_token_ids`` is set.
-    ``sampling`` holds vLLM-named SamplingParams fields; ``max_tokens`` absent means
-    ``default_max_tokens`` (the protocol's default) or the server's.
+    ``sampling`` holds vLLM-named SamplingParams fields (checked by SamplingParams);
+    ``max_tokens`` absent means ``default_max_tokens`` (the protocol's) or the server's.
     """
 
-    prompt: str | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    sampling: Mapping[str, Any] = field(default_factory=dict)
-    model: str | None = None
-    request_id: str | None = None
-    priority: int = 0
-    timeout_s: float | None = None
-    trace_context: str | None = None
+    prompt: Text | None = Field(None, min_length=1)
+    messages: Messages | None = None
+    prompt_token_ids: tuple[Annotated[Int, Field(ge=0)], ...] | None = Field(None, min_length=1)
+    sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model: SkipValidation[str | None] = None
+    """Checked against the served names: one that is not served is NOT_FOUND, whatever it holds."""
+    request_id: Str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)
+    """The client's own id: echoed back and logged, never a key. Empty means none."""
+    priority: Int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+    timeout_s: Float | None = Field(None, ge=0)
+    """Seconds the request may take; None or 0: the server's limit (if any)."""
     default_max_tokens: int | None = None
+
+    @field_validator("request_id", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        if value is not None and not value.isprintable():
+            raise ValueError("must be printable (no control characters)")
+        return value
 
 
 @dataclass(frozen=True)
@@ -64,8 +91,11 @@ class PreparedRequest:
     priority: int = 0
     timeout_s: float | None = None
     trace_context: str | None = None
+    """W3C traceparent the engine replica's spans descend from (the ingress span's)."""
     client_request_id: str | None = None
     """The client's own id, if it sent one: logged and echoed back, never a key."""
+    operation: str = "text_completion"
+    """GenAI operation name for traces: ``chat`` (messages) or ``text_completion``."""
 
     def engine_request(self, resume_token_ids: Sequence[int] = ()) -> dict:
         """The dict sent to ``EngineReplica.generate``: token ids only, no text.
@@ -76,7 +106,8 @@ class PreparedRequest:
         """
         engine_params = dataclasses.replace(self.params, stop=(), include_stop_str_in_output=False)
         request = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                   "params": engine_params, "priority": self.priority, "trace_context": self.trace_context}
+                   "params": engine_params, "priority": self.priority, "trace_context": self.trace_context,
+                   "operation": self.operation}
         if resume_token_ids:
             request["resume_token_ids"] = list(resume_token_ids)
         return request
@@ -87,108 +118,46 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def check_text(name: str, value: Any, max_chars: int) -> str:
-    """A non-empty str of at most ``max_chars`` characters that encodes to UTF-8."""
-    if not isinstance(value, str):
-        raise BadRequest(f"{name} must be a string, got {type(value).__name__}", param=name)
-    if not value:
+def check_text(name: str, text: str, max_chars: int) -> str:
+    """A text within the server's character limit (checked before tokenizing it)."""
+    if not text:
         raise BadRequest(f"{name} is empty; send at least one character", param=name)
-    if len(value) > max_chars:
-        raise BadRequest(f"{name} has {len(value)} characters; the limit is {max_chars}", param=name)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise BadRequest(f"{name} is not valid UTF-8 text (unpaired surrogate at character {exc.start})",
-                         param=name) from None
-    return value
+    if len(text) > max_chars:
+        raise BadRequest(f"{name} has {len(text)} characters; the limit is {max_chars}", param=name)
+    return text
 
 
-def parse_messages(value: Any, max_chars: int) -> tuple[ChatMessage, ...]:
-    """OpenAI-style chat messages: [{"role": ..., "content": str | [{"type": "text", ...}]}]."""
-    if not isinstance(value, (list, tuple)) or not value:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
-    if len(value) > MAX_MESSAGES:
-        raise BadRequest(f"messages has {len(value)} entries; the limit is {MAX_MESSAGES}", param="messages")
-    out = []
+def check_messages_length(messages: Sequence[ChatMessage], max_chars: int) -> None:
     total = 0
-    for i, message in enumerate(value):
-        name = f"messages[{i}]"
-        if isinstance(message, ChatMessage):
-            role, content = message.role, message.content
-        elif isinstance(message, Mapping):
-            role, content = message.get("role"), _message_text(message.get("content"), name)
-        else:
-            raise BadRequest(f"{name} must be an object with role and content", param="messages")
-        if role not in CHAT_ROLES:
-            raise BadRequest(f"{name}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param="messages")
-        if not isinstance(content, str):
-            raise BadRequest(f"{name}.content must be a string", param="messages")
-        total += len(content)
-        if content:
-            check_text(f"{name}.content", content, max_chars)
-        out.append(ChatMessage(role=role, content=content))
+    for i, message in enumerate(messages):
+        if len(message.content) > max_chars:
+            raise BadRequest(f"messages.{i}.content has {len(message.content)} characters; the limit is "
+                             f"{max_chars}", param=f"messages.{i}.content")
+        total += len(message.content)
     if total > max_chars:
         raise BadRequest(f"messages have {total} characters in all; the limit is {max_chars}", param="messages")
-    return tuple(out)
 
 
-def _message_text(content: Any, name: str) -> Any:
-    if content is None:
-        return ""
-    if isinstance(content, list):  # OpenAI content parts; only text parts can be served
-        texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"{name}.content parts must be {{'type': 'text', 'text': str}} "
-                                 "(this server serves text-only models)", param="messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    return content
+def check_vocab(token_ids: Sequence[int], vocab_size: int) -> None:
+    for i, t in enumerate(token_ids):
+        if t >= vocab_size:
+            raise BadRequest(f"prompt_token_ids.{i} must be a token id in [0, {vocab_size}), got {t}",
+                             param=f"prompt_token_ids.{i}")
 
 
-def check_token_ids(name: str, value: Any, vocab_size: int | None) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not value:
-        raise BadRequest(f"{name} must be a non-empty list of token ids", param=name)
-    for t in value:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise BadRequest(f"{name} must hold integers in {limit}, got {t!r}", param=name)
-    return tuple(value)
-
-
-def check_request_id(value: Any) -> str | None:
-    """A client's own request id (None when it sent none): echoed back and logged, never a key."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str) or len(value) > MAX_REQUEST_ID_CHARS or not value.isprintable():
-        raise BadRequest(f"request_id must be a printable string of at most {MAX_REQUEST_ID_CHARS} "
-                         "characters (or empty)", param="request_id")
-    return value
-
-
-def check_priority(value: Any) -> int:
-    lo, hi = PRIORITY_RANGE
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise BadRequest(f"priority must be an integer in [{lo}, {hi}], got {value!r}", param="priority")
-    return value
-
-
-def check_timeout(value: Any, server_limit: float | None) -> float | None:
-    """Seconds the request may take; None or 0 means the server's limit (if any)."""
-    if value is None or value == 0:
+def effective_timeout(timeout_s: float | None, server_limit: float | None) -> float | None:
+    """None or 0: the server's limit (if any); never more than it."""
+    if not timeout_s:
         return server_limit
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise BadRequest(f"timeout_s must be a non-negative number of seconds, got {value!r}", param="timeout_s")
-    return value if server_limit is None else min(value, server_limit)
+    return timeout_s if server_limit is None else min(timeout_s, server_limit)
+
+
+_SAMPLING = TypeAdapter(SamplingParams)
 
 
 def build_sampling_params(fields: Mapping[str, Any], *, num_prompt_tokens: int, max_model_len: int,
                           default_max_tokens: int) -> SamplingParams:
     """SamplingParams from vLLM-named fields, with max_tokens checked against the context."""
-    unknown = set(fields) - SAMPLING_FIELDS
-    if unknown:
-        raise BadRequest(f"unknown sampling field(s): {', '.join(sorted(unknown))}; "
-                         f"allowed: {', '.join(sorted(SAMPLING_FIELDS))}", param=sorted(unknown)[0])
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise BadRequest(f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
@@ -203,11 +172,6 @@ def build_sampling_params(fields: Mapping[str, Any], *, num_prompt_tokens: int, 
                          f"model's context is {max_model_len}: at most {room} tokens can be generated",
                          param="max_tokens")
     try:
-        params = SamplingParams(**values)
-    except InvalidRequestError as exc:
-        raise BadRequest(str(exc), param=str(exc).split(" ", 1)[0]) from None
-    except TypeError as exc:  # e.g. stop=5: not iterable
-        raise BadRequest(f"invalid sampling value: {exc}") from None
-    for stop in params.stop:  # a lone surrogate (JSON allows one) could never match the text
-        check_text("stop", stop, len(stop))
-    return params
+        return _SAMPLING.validate_python(values)
+    except ValidationError as exc:
+        raise bad_request(field_errors(exc, SamplingParams)) from None

@@ -1,8 +1,9 @@
 """Engine messages (token ids) to text deltas: incremental detokenization and stop strings.
 
-Text work lives here, in the ingress, so engine replicas never spend time on it.
-Tokens are pushed one at a time so that a stop string ends the output at the exact
-token that completed it: the reported token ids and usage then match the text.
+Text work lives here, in the ingress, so engine replicas never spend time on it. The
+text pipeline is the offline LLM's (``engine.detokenizer.TextStream``): a stop string
+ends the output at the exact token that completed it, so the reported token ids and
+usage match the text.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.detokenizer import TextStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class TextDelta:
     """Set on the last delta."""
     client_request_id: str | None = None
     """The client's own id, echoed back."""
+    audit: tuple[dict, ...] | None = None
+    """On the last delta: the engine's scheduling audit trail (``engine.outputs.audit_records``)."""
 
 
 class TextAssembler:
@@ -62,9 +65,7 @@ class TextAssembler:
         """Every output token passed on so far: where a resumed request picks up."""
         self._want_logprobs = params.logprobs is not None
         self._num_top = params.logprobs or 0
-        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self._stop = (StopStringMatcher(list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
-                      if params.stop else None)
+        self._text = TextStream.for_params(tokenizer, params)
         self._num_prompt_tokens = num_prompt_tokens
         self._num_output_tokens = 0
         self._num_cached_tokens = 0
@@ -72,51 +73,33 @@ class TextAssembler:
 
     def push(self, message: dict) -> TextDelta:
         """One engine message (see ``replica.stream_message``) in, one text delta out."""
-        pieces: list[str] = []
-        ids: list[int] = []
-        stopped = False
-        for token_id in message["token_ids"]:
-            ids.append(token_id)
-            stopped = self._add(self._detok.push([token_id]), pieces)
-            if stopped:
-                break
-        finish = "stop" if stopped else message.get("finish_reason")
-        if finish and not stopped:
-            # The end: whatever the detokenizer held back (an unfinished character), then
-            # what the stop matcher held back (it never became a stop string).
-            stopped = self._add(self._detok.flush(), pieces)
-            if not stopped and self._stop is not None:
-                pieces.append(self._stop.flush())
+        text, used = self._text.push(message["token_ids"])
+        ids = list(message["token_ids"][:used])
+        finish = message.get("finish_reason")
+        if finish and not self._text.stopped:
+            text += self._text.finish()
+        if self._text.stopped:
+            finish = "stop"
         self._num_output_tokens += len(ids)
         self.token_ids.extend(ids)
         self._num_cached_tokens = message.get("num_cached_tokens", self._num_cached_tokens)
         logprobs = None
         if self._want_logprobs:
             logprobs = tuple(self._logprob(t, lp) for t, lp in zip(ids, message.get("logprobs") or []))
-        usage = None
+        usage = audit = None
         if finish:
             self.finished = True
             usage = Usage(self._num_prompt_tokens, self._num_output_tokens, self._num_cached_tokens)
-        return TextDelta(self._request_id, "".join(pieces), tuple(ids), logprobs, finish, usage,
-                         self._client_request_id)
-
-    def _add(self, text: str, pieces: list[str]) -> bool:
-        """Append text (through the stop matcher); True when a stop string matched."""
-        stopped = False
-        if self._stop is not None and text:
-            text, stopped = self._stop.push(text)
-        pieces.append(text)
-        return stopped
+            audit = tuple(message.get("audit") or ())
+        return TextDelta(self._request_id, text, tuple(ids), logprobs, finish, usage,
+                         self._client_request_id, audit)
 
     def abort(self) -> TextDelta:
         """The last delta of a request that ended without the engine saying so."""
         self.finished = True
-        pieces: list[str] = []
-        if not self._add(self._detok.flush(), pieces) and self._stop is not None:
-            pieces.append(self._stop.flush())
         usage = Usage(self._num_prompt_tokens, self._num_output_tokens, self._num_cached_tokens)
-        return TextDelta(self._request_id, "".join(pieces), (), () if self._want_logprobs else None, "abort", usage,
-                         self._client_request_id)
+        return TextDelta(self._request_id, self._text.finish(), (), () if self._want_logprobs else None, "abort",
+                         usage, self._client_request_id)
 
     def _logprob(self, token_id: int, alternatives: dict) -> TokenLogprob:
         ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self._num_top]

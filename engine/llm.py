@@ -7,6 +7,7 @@ import logging
 from typing import Any, Iterable, Sequence
 
 from engine.config import EngineConfig
+from engine.detokenizer import TextStream
 from engine.engine import LLMEngine
 from engine.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError
 from engine.outputs import FINISH_STOP, CompletionOutput, RequestOutput
@@ -115,7 +116,7 @@ class LLM:
 
 
 class _TextTracker:
-    """Accumulates one request's tokens, detokenizes incrementally and watches stop strings."""
+    """Accumulates one request's tokens and text (``engine.detokenizer.TextStream``, as serving does)."""
 
     def __init__(self, rid, prompt, prompt_ids, params: SamplingParams, tokenizer) -> None:
         self.rid, self.prompt, self.prompt_ids, self.params = rid, prompt, prompt_ids, params
@@ -126,31 +127,23 @@ class _TextTracker:
         self.done = False
         self.timing = None
         self.num_cached = 0
-        self.detok = self.matcher = None
-        if tokenizer is not None:
-            from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher
-            self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-            if params.stop:
-                self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.stream = TextStream.for_params(tokenizer, params) if tokenizer is not None else None
 
     def push(self, out) -> bool:
-        """Returns True when a stop string ended the request."""
+        """Returns True when a stop string ended the request (its tokens end at the one completing it)."""
         if self.done:
             return False
-        self.token_ids.extend(out.new_token_ids)
+        ids, used = out.new_token_ids, len(out.new_token_ids)
+        if self.stream is not None:
+            text, used = self.stream.push(ids)
+            if out.finished and not self.stream.stopped:
+                text += self.stream.finish()
+            self.text += text
+        self.token_ids.extend(ids[:used])
         if self.logprobs is not None and out.new_logprobs:
-            self.logprobs.extend(out.new_logprobs)
+            self.logprobs.extend(out.new_logprobs[:used])
         self.timing, self.num_cached = out.timing, out.num_cached_tokens
-        stopped = False
-        if self.detok is not None:
-            piece = self.detok.push(out.new_token_ids)
-            if out.finished:
-                piece += self.detok.flush()
-            if self.matcher is not None:
-                piece, stopped = self.matcher.push(piece)
-                if out.finished and not stopped:
-                    piece += self.matcher.flush()
-            self.text += piece
+        stopped = self.stream is not None and self.stream.stopped
         if stopped:
             self.finish_reason, self.done = FINISH_STOP, True
         elif out.finished:

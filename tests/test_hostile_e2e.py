@@ -18,9 +18,9 @@ import pytest
 from google.protobuf.json_format import ParseDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deployments.openai_protocol import _CHAT_FIELDS, _COMPLETION_FIELDS
-from deployments.proto_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
+from deployments.openai_protocol import ChatRequest, CompletionRequest
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from tests.hostile_cases import CHAT, COMPLETIONS, KINDS, USER, Kind
 from tests.hostile_service import GRPC_MAX_MESSAGE_BYTES, KEYS, MAX_BODY_BYTES, hostile_service
@@ -195,7 +195,8 @@ def _some(values: dict):
 
 
 def _body_fields(path):
-    allowed = (_COMPLETION_FIELDS if path == COMPLETIONS else _CHAT_FIELDS) | {"frobnicate", "prompt", "messages"}
+    allowed = set((CompletionRequest if path == COMPLETIONS else ChatRequest).model_fields) | {"frobnicate", "prompt",
+                                                                                             "messages"}
     return _some({name: (_BODY[name] | _JSON) if name in _BODY else _JSON for name in allowed})
 
 

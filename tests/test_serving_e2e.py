@@ -11,8 +11,8 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deployments.proto_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
 from tests.ray_cluster import served_app

@@ -15,8 +15,8 @@ from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNo
 from deployments.grpc_service import delta_to_proto, generate_input, parse
 from deployments.openai_protocol import parse_chat_body, parse_completion_body
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
-from deployments.requests import (PreparedRequest, build_sampling_params, check_request_id, new_request_id,
-                                  check_text, check_timeout, check_token_ids, parse_messages)
+from deployments.requests import (GenerateInput, PreparedRequest, build_sampling_params, check_text, check_vocab,
+                                  effective_timeout, new_request_id, parse_messages)
 from deployments.textstream import TextDelta, TokenLogprob, Usage
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.sampling import SamplingParams
@@ -53,7 +53,7 @@ def test_sampling_defaults_and_vllm_extras():
     ({"seed": -1}, "seed"),
     ({"logprobs": 99}, "logprobs"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
-    ({"bogus": 1}, "unknown sampling field"),
+    ({"bogus": 1}, "unknown field bogus"),
 ])
 def test_bad_sampling_values_name_the_field(fields, needle):
     with pytest.raises(BadRequest, match=needle):
@@ -65,41 +65,51 @@ def test_prompt_that_fills_the_context_is_rejected():
         _params({}, prompt_len=64, max_model_len=64)
 
 
-def test_text_checks():
+def test_text_limits():
     assert check_text("prompt", "héllo", 10) == "héllo"
     with pytest.raises(BadRequest, match="empty"):
         check_text("prompt", "", 10)
     with pytest.raises(BadRequest, match="limit is 3"):
         check_text("prompt", "abcd", 3)
-    with pytest.raises(BadRequest, match="UTF-8"):
-        check_text("prompt", "bad \ud800 surrogate", 100)
+    with pytest.raises(BadRequest, match="UTF-8") as info:
+        GenerateInput(prompt="bad \ud800 surrogate")
+    assert info.value.param == "prompt"
     with pytest.raises(BadRequest, match="string"):
-        check_text("prompt", 42, 100)
+        GenerateInput(prompt=42)
 
 
 def test_messages_and_token_ids():
-    msgs = parse_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-                          100)
+    msgs = parse_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                            "name": "ignored"}])
     assert msgs[0].content == "ab"
-    for bad, needle in [([], "non-empty"), ([{"role": "wizard", "content": "x"}], "role"),
-                        ([{"role": "user", "content": [{"type": "image_url"}]}], "text")]:
-        with pytest.raises(BadRequest, match=needle):
-            parse_messages(bad, 100)
-    assert check_token_ids("ids", [1, 2], 10) == (1, 2)
-    for bad in ([], [1, -1], [1, 10], [True], ["1"]):
-        with pytest.raises(BadRequest, match="ids"):
-            check_token_ids("ids", bad, 10)
+    for bad, param in [([], "messages"), ([{"role": "wizard", "content": "x"}], "messages.0.role"),
+                       ([{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "image_url"}]}],
+                        "messages.1.content")]:
+        with pytest.raises(BadRequest) as info:
+            parse_messages(bad)
+        assert info.value.param == param and param in info.value.message
+    assert GenerateInput(prompt_token_ids=[1, 2]).prompt_token_ids == (1, 2)
+    for bad, param in (([], "prompt_token_ids"), ([1, -1], "prompt_token_ids.1"), ([True], "prompt_token_ids.0"),
+                       (["1"], "prompt_token_ids.0")):
+        with pytest.raises(BadRequest) as info:
+            GenerateInput(prompt_token_ids=bad)
+        assert info.value.param == param
+    check_vocab((1, 9), 10)
+    with pytest.raises(BadRequest, match=r"\[0, 10\)") as info:
+        check_vocab((1, 10), 10)
+    assert info.value.param == "prompt_token_ids.1"
 
 
 def test_request_id_and_timeout():
-    assert check_request_id(None) is None and check_request_id("") is None and check_request_id("abc") == "abc"
+    assert GenerateInput(request_id="").request_id is None and GenerateInput(request_id="abc").request_id == "abc"
     assert len(new_request_id()) == 32 and new_request_id() != new_request_id()
     for bad in ("x" * 200, "bad\nid", 5):
         with pytest.raises(BadRequest, match="request_id"):
-            check_request_id(bad)
-    assert check_timeout(None, 30.0) == 30.0 and check_timeout(5, 30.0) == 5 and check_timeout(60, 30.0) == 30.0
+            GenerateInput(request_id=bad)
+    assert effective_timeout(None, 30.0) == 30.0 and effective_timeout(0, 30.0) == 30.0
+    assert effective_timeout(5, 30.0) == 5 and effective_timeout(60, 30.0) == 30.0 and effective_timeout(5, None) == 5
     with pytest.raises(BadRequest, match="timeout_s"):
-        check_timeout(-1, None)
+        GenerateInput(timeout_s=-1)
 
 
 def test_engine_request_carries_token_ids_only():
@@ -126,7 +136,7 @@ def test_completion_body():
     ({"prompt": "x"}, "model is required"),
     ({"model": "m"}, "prompt is required"),
     ({"model": "m", "prompt": ["a", "b"]}, "one prompt per request"),
-    ({"model": "m", "prompt": "x", "n": 2}, "n=2"),
+    ({"model": "m", "prompt": "x", "n": 2}, "^n is not supported"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "frobnicate": 1}, "unknown field"),
@@ -157,15 +167,16 @@ def test_proto_to_generate_input():
     msg = pb.GenerateRequest(request_id="r", prompt="hello", priority=3, timeout_s=2.5,
                              sampling=pb.SamplingOptions(temperature=0.0, max_tokens=9, stop=["\n"], seed=4,
                                                          skip_special_tokens=False, ignore_eos=True))
-    inp = generate_input(parse(pb.GenerateRequest, msg.SerializeToString()), trace_context="tp")
-    assert (inp.prompt, inp.request_id, inp.priority, inp.timeout_s, inp.trace_context) == ("hello", "r", 3, 2.5, "tp")
+    inp = generate_input(parse(pb.GenerateRequest, msg.SerializeToString()))
+    assert (inp.prompt, inp.request_id, inp.priority, inp.timeout_s) == ("hello", "r", 3, 2.5)
     # only fields that were set travel: temperature 0 (greedy) is kept, top_p (unset) is not
     assert inp.sampling == {"temperature": 0.0, "max_tokens": 9, "seed": 4, "skip_special_tokens": False,
                             "stop": ["\n"], "ignore_eos": True}
     chat = pb.GenerateRequest(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="x")]))
     assert generate_input(chat).messages[0].content == "x"
-    ids = generate_input(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, -1])))
-    assert ids.prompt_token_ids == (5, -1)  # int64 on the wire: the negative id is rejected by name later
+    with pytest.raises(BadRequest) as info:  # int64 on the wire: the negative id is rejected by name
+        generate_input(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, -1])))
+    assert info.value.param == "prompt_token_ids.1"
 
 
 def test_malformed_protobuf_is_invalid_argument():
@@ -185,33 +196,48 @@ def test_delta_to_proto():
 
 # -- error mapping -----------------------------------------------------------------------
 
-class RayTaskError(Exception):
-    """Shaped like ray.exceptions.RayTaskError: the remote exception is in .cause."""
+def _ray_task_error(cause: BaseException, *, as_cause: bool = False) -> BaseException:
+    """What a replica's exception looks like at the ingress: wrapped, with the remote traceback."""
+    import ray.exceptions
 
-    def __init__(self, cause):
-        super().__init__(f"Traceback (most recent call last): ... {cause!r}")
-        self.cause = cause
-
-
-class BackPressureError(Exception):
-    pass
+    err = ray.exceptions.RayTaskError("generate", "Traceback (most recent call last): ...", cause)
+    return err.as_instanceof_cause() if as_cause else err
 
 
-class ActorDiedError(Exception):
-    pass
+def _ray_errors():
+    import ray.exceptions as rx
+    import ray.serve.exceptions as sx
+    from ray.serve._private.common import DeploymentID
+
+    return [
+        (_ray_task_error(InvalidRequestError("prompt too long")), BadRequest, "INVALID_ARGUMENT", 400),
+        (_ray_task_error(InvalidRequestError("prompt too long"), as_cause=True), BadRequest, "INVALID_ARGUMENT", 400),
+        (_ray_task_error(EngineOverloadedError("queue full")), Overloaded, "RESOURCE_EXHAUSTED", 429),
+        (sx.BackPressureError(num_queued_requests=9, max_queued_requests=8), Overloaded, "RESOURCE_EXHAUSTED", 429),
+        (_ray_task_error(EngineDeadError("loop died"), as_cause=True), Unavailable, "UNAVAILABLE", 503),
+        (rx.ActorDiedError(), Unavailable, "UNAVAILABLE", 503),
+        (rx.ActorUnavailableError("connection lost", None), Unavailable, "UNAVAILABLE", 503),
+        (rx.RayActorError(), Unavailable, "UNAVAILABLE", 503),
+        (_ray_task_error(rx.ActorDiedError()), Unavailable, "UNAVAILABLE", 503),
+        (sx.DeploymentUnavailableError(DeploymentID("EngineReplica", "slotserve")), Unavailable, "UNAVAILABLE", 503),
+        (sx.ReplicaUnavailableError("replica-1"), Unavailable, "UNAVAILABLE", 503),
+        (rx.TaskCancelledError(), Cancelled, "CANCELLED", 499),
+        (sx.RequestCancelledError("r1"), Cancelled, "CANCELLED", 499),
+        (rx.GetTimeoutError("get timed out"), DeadlineExceeded, "DEADLINE_EXCEEDED", 504),
+        (sx.gRPCStatusError(InvalidRequestError("bad")), BadRequest, "INVALID_ARGUMENT", 400),
+        (sx.RayServeException("something else"), ServingError, "INTERNAL", 500),
+    ]
 
 
 @pytest.mark.parametrize("exc, kind, code, status", [
     (InvalidRequestError("prompt too long"), BadRequest, "INVALID_ARGUMENT", 400),
-    (RayTaskError(InvalidRequestError("prompt too long")), BadRequest, "INVALID_ARGUMENT", 400),
-    (RayTaskError(EngineOverloadedError("queue full")), Overloaded, "RESOURCE_EXHAUSTED", 429),
-    (BackPressureError("too many"), Overloaded, "RESOURCE_EXHAUSTED", 429),
-    (RayTaskError(EngineDeadError("loop died")), Unavailable, "UNAVAILABLE", 503),
-    (ActorDiedError("gone"), Unavailable, "UNAVAILABLE", 503),
+    (EngineOverloadedError("queue full"), Overloaded, "RESOURCE_EXHAUSTED", 429),
+    (EngineDeadError("loop died"), Unavailable, "UNAVAILABLE", 503),
     (asyncio.TimeoutError(), DeadlineExceeded, "DEADLINE_EXCEEDED", 504),
     (asyncio.CancelledError(), Cancelled, "CANCELLED", 499),
     (ModelNotFound("nope"), ModelNotFound, "NOT_FOUND", 404),
     (KeyError("x"), ServingError, "INTERNAL", 500),
+    *_ray_errors(),
 ])
 def test_error_mapping(exc, kind, code, status):
     err = to_serving_error(exc)
@@ -221,18 +247,25 @@ def test_error_mapping(exc, kind, code, status):
     assert set(body) == {"message", "type", "param", "code"}
 
 
+def test_wrapped_replica_error_keeps_the_original_message():
+    err = to_serving_error(_ray_task_error(InvalidRequestError("prompt is 90 tokens; the limit is 64")))
+    assert err.message == "prompt is 90 tokens; the limit is 64"
+    # a class merely named like Ray's is not Ray's
+    assert type(to_serving_error(type("ActorDiedError", (Exception,), {})("x"))) is ServingError
+
+
 # -- configs -------------------------------------------------------------------------------
 
 def test_app_config_rejects_bad_fields_by_name():
-    cases = [({"bogus": 1}, "unknown key.*bogus"), ({"routing": "random"}, "routing"),
+    cases = [({"bogus": 1}, "unknown field bogus"), ({"routing": "random"}, "routing"),
              ({"engine": {"max_num_seqs": 0}}, "engine: max_num_seqs"),
              ({"autoscaling": {"min_replicas": 2, "max_replicas": 1}}, "autoscaling.max_replicas"),
              ({"autoscaling": {"speed": 1}}, "autoscaling.speed"),
              ({"replica_resources": {"num_gpus": -1}}, "replica_resources.num_gpus"),
              ({"num_replicas": 2, "autoscaling": {}}, "not both"),
-             ({"api_keys": ["short"]}, "api_keys"), ({"engine": [1]}, "engine must be a mapping"),
+             ({"api_keys": ["short"]}, "api_keys"), ({"engine": [1]}, "engine must be a valid dictionary"),
              # The test double is not selectable from a config.
-             ({"engine_class": "tests.fake_engine:FakeAsyncEngine"}, "unknown key.*engine_class")]
+             ({"engine_class": "tests.fake_engine:FakeAsyncEngine"}, "unknown field engine_class")]
     for args, needle in cases:
         with pytest.raises(ValueError, match=needle):
             AppConfig.from_args(args)

@@ -1,4 +1,9 @@
-"""Tokenizer loading, chat templates, streaming detokenization and stop strings."""
+"""Tokenizer loading, chat templates, streaming detokenization and stop strings.
+
+Detokenization runs two ways: tokenizers' DecodeStream on a fast tokenizer's backend, and
+the windowed fallback over ``decode`` for tokenizers without one (``SlowTokenizer`` here).
+Both must add up to ``tokenizer.decode(all_ids)``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import shutil
 import pytest
 
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from engine.detokenizer import _MAX_HOLD_TOKENS, IncrementalDetokenizer, TextStream
+from engine.tokenizer import load_tokenizer
 from factories import build_tokenizer
 
 TEXTS = [
@@ -49,8 +55,9 @@ def stream(tok, chunks, **kw):
     return detok, pieces, tail
 
 
-class CountingTokenizer:
-    """Stands in for a Tokenizer and counts how many ids the detokenizer decodes."""
+class SlowTokenizer:
+    """A tokenizer with ``decode`` only (no Rust backend): the detokenizer's fallback path.
+    Counts how many ids it decodes."""
 
     def __init__(self, tok):
         self._tok = tok
@@ -59,6 +66,20 @@ class CountingTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         self.decoded += len(ids)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class CountingFastTokenizer(SlowTokenizer):
+    """The real fast tokenizer (DecodeStream runs on its backend), counting Python decodes."""
+
+    @property
+    def hf(self):
+        return self._tok.hf
+
+
+@pytest.fixture(params=["fast", "slow"])
+def both(request, tok):
+    """The tiny tokenizer, once through DecodeStream, once through the fallback."""
+    return tok if request.param == "fast" else SlowTokenizer(tok)
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -124,12 +145,13 @@ def test_chat_content_parts_are_joined(tok):
 @pytest.mark.parametrize("messages, field", [
     ([], "messages must not be empty"),
     ("hello", "messages must be a list"),
-    ([{"role": "user", "content": "hi"}, "hi"], r"messages\[1\] must be an object"),
-    ([{"role": "bot", "content": "hi"}], r"messages\[0\]\.role must be one of system, user, assistant, tool"),
-    ([{"content": "hi"}], r"messages\[0\]\.role"),
-    ([{"role": "user"}], r"messages\[0\]\.content must be a string"),
-    ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], r"messages\[0\]\.content\[0\]"),
+    ([{"role": "user", "content": "hi"}, "hi"], r"messages\.1 must be"),
+    ([{"role": "bot", "content": "hi"}], r"messages\.0\.role must be 'system', 'user', 'assistant', 'tool'"),
+    ([{"content": "hi"}], r"messages\.0\.role is required"),
+    ([{"role": "user", "content": "a\ud800"}], r"messages\.0\.content must be valid UTF-8"),
+    ([{"role": "user", "content": 3}], r"messages\.0\.content must be a valid string"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+     r"messages\.0\.content must be a string or a list of text parts"),
 ])
 def test_chat_validation_names_the_field(tok, messages, field):
     with pytest.raises(InvalidRequestError, match=field):
@@ -165,59 +187,78 @@ def test_texts_really_split_characters_across_tokens(tok):
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_detok_one_token_at_a_time(tok, text):
+def test_detok_one_token_at_a_time(both, tok, text):
     ids = tok.encode(text)
-    detok, pieces, tail = stream(tok, [[i] for i in ids])
+    _, pieces, tail = stream(both, [[i] for i in ids])
     assert "".join(pieces) == tok.decode(ids) == text
     assert tail == ""
-    assert detok.text == text
     assert not any("\ufffd" in p for p in pieces)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_detok_random_chunks(tok, seed):
+def test_detok_random_chunks(both, tok, seed):
     rng = random.Random(seed)
     text = " ".join(rng.sample(TEXTS, len(TEXTS)))
     ids = tok.encode(text)
-    detok, pieces, tail = stream(tok, chunked(ids, rng, max_chunk=rng.randint(2, 9)))
+    _, pieces, tail = stream(both, chunked(ids, rng, max_chunk=rng.randint(2, 9)))
     assert "".join(pieces) + tail == text
     assert tail == ""
     assert not any("\ufffd" in p for p in pieces)
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_detok_special_tokens(tok, skip):
+def test_detok_special_tokens(both, tok, skip):
     im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
     ids = tok.encode("日本語 🙂") + [im_end] + tok.encode("é 🚀") + [im_end]
-    _, pieces, tail = stream(tok, [[i] for i in ids], skip_special_tokens=skip)
+    _, pieces, tail = stream(both, [[i] for i in ids], skip_special_tokens=skip)
     assert "".join(pieces) + tail == tok.decode(ids, skip_special_tokens=skip)
     assert ("<|im_end|>" in "".join(pieces)) is (not skip)
 
 
-def test_detok_holds_incomplete_character_until_complete(tok):
+def test_detok_holds_incomplete_character_until_complete(both, tok):
     ids = tok.encode("🙂")
     assert len(ids) > 1 and "\ufffd" in tok.decode(ids[:-1])
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(both)
     assert [detok.push([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.push(ids[-1:]) == "🙂"
 
 
-def test_detok_flush_releases_unfinished_character(tok):
+def test_detok_flush_releases_unfinished_character(both, tok):
     ids = tok.encode("ab🙂")
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(both)
     assert detok.push(ids[:-1]) == "ab"
     assert detok.flush() == tok.decode(ids[:-1])[2:]  # the broken character, as decoded
     assert detok.flush() == ""
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_detok_random_token_soup_matches_whole_decode(tok, seed):
+@pytest.mark.parametrize("seed", range(100))
+def test_detok_random_token_soup_matches_whole_decode(both, tok, seed):
     # Arbitrary ids (invalid byte sequences, specials, anything): the stream still adds up.
     rng = random.Random(seed)
     ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 120))]
     for skip in (True, False):
-        _, pieces, tail = stream(tok, chunked(ids, rng, max_chunk=4), skip_special_tokens=skip)
+        _, pieces, tail = stream(both, chunked(ids, rng, max_chunk=4), skip_special_tokens=skip)
         assert "".join(pieces) + tail == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_detok_multibyte_text_with_random_ids_between(both, tok, seed):
+    # Emoji and CJK split over tokens, with random ids (often lone bytes) spliced in.
+    rng = random.Random(seed)
+    ids = []
+    for _ in range(rng.randint(2, 8)):
+        ids += tok.encode(rng.choice(TEXTS))
+        ids += [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 3))]
+    _, pieces, tail = stream(both, chunked(ids, rng, max_chunk=3))
+    assert "".join(pieces) + tail == tok.decode(ids)
+
+
+def test_fast_tokenizers_stream_in_rust(tok):
+    ids = tok.encode(" ".join(TEXTS))
+    counting = CountingFastTokenizer(tok)
+    _, pieces, tail = stream(counting, [[i] for i in ids])
+    assert "".join(pieces) + tail == tok.decode(ids)
+    assert counting.decoded == 0  # DecodeStream did it all: no Python-side decode
 
 
 def lone_byte_ids(tok):
@@ -229,18 +270,25 @@ def test_detok_garbage_bytes_keep_window_bounded(tok):
     garbage = lone_byte_ids(tok)
     assert len(garbage) > 50
     ids = [rng.choice(garbage) for _ in range(2000)] + tok.encode(" 日本語 done")
-    counting = CountingTokenizer(tok)
-    _, pieces, tail = stream(counting, [[i] for i in ids])
+    slow = SlowTokenizer(tok)
+    _, pieces, tail = stream(slow, [[i] for i in ids])
     assert "".join(pieces) + tail == tok.decode(ids)
-    assert counting.decoded < 12 * len(ids)
+    assert slow.decoded < 20 * len(ids)
+    detok = IncrementalDetokenizer(tok)  # DecodeStream: its window is what is held
+    held, pieces = [], []
+    for i in ids:
+        pieces.append(detok.push([i]))
+        held.append(detok.held_tokens)
+    assert "".join(pieces) + detok.flush() == tok.decode(ids)
+    assert max(held) <= _MAX_HOLD_TOKENS + 1
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])
 def test_detok_work_per_token_is_constant(tok, chunk):
     ids = tok.encode(" ".join(TEXTS * 40))
-    counting = CountingTokenizer(tok)
-    stream(counting, [ids[i:i + chunk] for i in range(0, len(ids), chunk)])
-    assert counting.decoded < 6 * len(ids)  # re-decoding everything would be ~len(ids)**2 / 2
+    slow = SlowTokenizer(tok)
+    stream(slow, [ids[i:i + chunk] for i in range(0, len(ids), chunk)])
+    assert slow.decoded < 6 * len(ids)  # re-decoding everything would be ~len(ids)**2 / 2
 
 
 def build_metaspace_tokenizer(path):
@@ -286,92 +334,47 @@ def test_detok_metaspace_byte_fallback(tmp_path):
     assert "".join(pieces) == tok.decode(output) == "Hello wörld 日本 🙂, the world!"
 
 
-# --- stop strings ----------------------------------------------------------------------------
+# --- detokenizer + stop strings, as the offline LLM and serving run them ---------------------
 
-def reference_stop(text, stops, include):
-    """Character by character: the first stop string to complete (longest on a tie)."""
-    for end in range(1, len(text) + 1):
-        for s in sorted(stops, key=len, reverse=True):
-            if text[:end].endswith(s):
-                return (text[:end] if include else text[:end - len(s)]), True
-    return text, False
-
-
-def run_matcher(stops, chunks, include=False):
-    matcher = StopStringMatcher(stops, include_stop_str_in_output=include)
-    out, stopped = [], False
+def run_text_stream(tokenizer, chunks, **kw):
+    ts = TextStream(tokenizer, **kw)
+    text, used = "", 0
     for chunk in chunks:
-        piece, stopped = matcher.push(chunk)
-        out.append(piece)
-        if stopped:
+        piece, n = ts.push(chunk)
+        text, used = text + piece, used + n
+        if ts.stopped:
             break
-    out.append(matcher.flush())
-    return "".join(out), stopped, matcher
+    return text + ts.finish(), used, ts.stopped
 
 
-def test_stop_no_stops_passes_through():
-    matcher = StopStringMatcher([])
-    assert matcher.push("abc") == ("abc", False) and matcher.flush() == ""
+@pytest.mark.parametrize("stop", ["STOP here", "日本", "🙂🚀", "Привет"])
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_stop_string_split_across_steps_ends_at_its_token(both, tok, stop, chunk):
+    before, after = "naïve café — テキスト 🙂 ", " and the rest 🙂🚀 日本 é — "
+    ids = tok.encode(before + stop + after)
+    first = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))  # the completing token
+    assert not any(stop in tok.decode([i]) for i in ids)  # the stop string really spans tokens
+    chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    for include in (False, True):
+        text, used, stopped = run_text_stream(both, chunks, stop=[stop], include_stop_str_in_output=include)
+        assert stopped and used == first
+        assert text == before + (stop if include else "")
 
 
-def test_stop_single_push():
-    assert run_matcher(["STOP"], ["hello STOP world"])[:2] == ("hello ", True)
-    text, stopped, matcher = run_matcher(["STOP"], ["hello STOP world"], include=True)
-    assert (text, stopped, matcher.stop_reason) == ("hello STOP", True, "STOP")
-    assert matcher.push("more") == ("", True)
+def test_text_stream_without_a_stop_is_the_whole_decode(both, tok):
+    ids = tok.encode(" ".join(TEXTS))
+    text, used, stopped = run_text_stream(both, [ids[:3], ids[3:4], ids[4:]], stop=["never there"])
+    assert (text, used, stopped) == (tok.decode(ids), len(ids), False)
 
 
-def test_stop_across_pushes():
-    matcher = StopStringMatcher(["STOP"])
-    assert matcher.push("hel") == ("hel", False)
-    assert matcher.push("lo ST") == ("lo ", False)
-    assert matcher.push("O") == ("", False)
-    assert matcher.push("P and more") == ("", True)
-    assert matcher.flush() == ""
-    matcher = StopStringMatcher("STOP", include_stop_str_in_output=True)
-    assert [matcher.push(c) for c in ["a S", "TO", "Pz"]] == [("a ", False), ("", False), ("STOP", True)]
-
-
-def test_stop_held_text_released_when_it_diverges_or_at_flush():
-    matcher = StopStringMatcher(["abc"])
-    assert matcher.push("xab") == ("x", False)
-    assert matcher.push("d") == ("abd", False)
-    assert matcher.push("ab") == ("", False)
-    assert matcher.flush() == "ab"
-
-
-@pytest.mark.parametrize("include", [False, True])
-def test_stop_first_completed_wins(include):
-    # "b" completes before "abc" does, whatever the chunking.
-    for chunks in (["xabc"], ["x", "a", "b", "c"], ["xa", "bc"]):
-        text, stopped, matcher = run_matcher(["abc", "b"], chunks, include)
-        assert (text, stopped, matcher.stop_reason) == (("xab" if include else "xa"), True, "b")
-    text, _, matcher = run_matcher(["b", "ab"], ["xab"], include)  # tie on the end: the longer one
-    assert (text, matcher.stop_reason) == (("xab" if include else "x"), "ab")
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_stop_matches_reference_for_any_chunking(seed):
-    rng = random.Random(seed)
-    text = "".join(rng.choice("ab 日") for _ in range(rng.randint(0, 40)))
-    stops = ["".join(rng.choice("ab 日") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
-    include = rng.random() < 0.5
-    chunks, i = [], 0
-    while i < len(text):
-        n = rng.randint(1, 6)
-        chunks.append(text[i:i + n])
-        i += n
-    got_text, got_stopped, _ = run_matcher(stops, chunks, include)
-    assert (got_text, got_stopped) == reference_stop(text, stops, include)
-
-
-@pytest.mark.parametrize("stop, message", [
-    ([""], r"stop\[0\] must be a non-empty string"),
-    (["ok", 3], r"stop\[1\] must be a non-empty string"),
-])
-def test_stop_validation(stop, message):
-    with pytest.raises(InvalidRequestError, match=message):
-        StopStringMatcher(stop)
+def test_text_stream_finish_releases_held_text_and_can_still_stop(tok):
+    ids = tok.encode("ab🙂")
+    # held by the matcher ("a" may begin "ab🙂x"), then by the detokenizer (an unfinished 🙂)
+    text, used, stopped = run_text_stream(tok, [ids[:-1]], stop=["ab🙂x"])
+    assert (text, used, stopped) == (tok.decode(ids[:-1]), len(ids) - 1, False)
+    ts = TextStream(tok, stop=["b\ufffd"])  # the flushed broken character completes this stop
+    assert ts.push(ids[:-1]) == ("a", len(ids) - 1)
+    assert ts.finish() == "" and ts.stopped
 
 
 # --- the real default model ------------------------------------------------------------------

@@ -62,7 +62,7 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
       "port" $v.serve.grpcPort
       "grpc_servicer_functions" (list
         "deployments.grpc_registration.add_slotserve_servicer"
-        "deployments.grpc_registration.add_health_servicer") }}
+        "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server") }}
 {{- $app := dict
       "name" "slotserve"
       "route_prefix" "/"
