@@ -37,6 +37,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                            30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+GPU_TAGS = ("UUID", "gpu")  # as DCGM exporter labels its series
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class MetricDef:
     description: str
     tags: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    gpu_only: bool = False
+    """Recorded only by replicas that run on a GPU NVML can see (deployments.nvml)."""
 
 
 METRICS: dict[str, MetricDef] = {
@@ -76,6 +79,13 @@ METRICS: dict[str, MetricDef] = {
                                               buckets=REQUEST_LATENCY_BUCKETS),
     "request_decode_time_seconds": MetricDef("histogram", "First token to last token.",
                                              buckets=REQUEST_LATENCY_BUCKETS),
+    # engine replica on a GPU (deployments.nvml): DCGM's label names, to join with its series
+    "gpu_info": MetricDef("gauge", "1 per GPU the replica runs on, labelled with its UUID, index and node.",
+                          tags=GPU_TAGS + ("pci_bus_id", "modelName", "node"), gpu_only=True),
+    "gpu_memory_used_bytes": MetricDef("gauge", "GPU memory the replica's process holds (NVML).", tags=GPU_TAGS,
+                                       gpu_only=True),
+    "gpu_memory_budget_bytes": MetricDef("gauge", "GPU memory the engine planned for: weights + KV pool.",
+                                         tags=GPU_TAGS, gpu_only=True),
     # ingress
     "requests_rejected": MetricDef("counter", "Generation requests answered with an error, by reason.",
                                    tags=("reason",)),
@@ -84,10 +94,10 @@ METRICS: dict[str, MetricDef] = {
 OTHER_METRICS: dict[str, str] = {ROUTING_DECISIONS_METRIC: "counter", **AUTOSCALER_METRICS}  # full name -> kind
 
 
-def exported_names() -> set[str]:
+def exported_names(gpu: bool = True) -> set[str]:
     """Every series name a Prometheus scrape shows for our metrics (counters' ``_total``,
-    histograms' ``_bucket`` / ``_sum`` / ``_count``)."""
-    kinds = {PREFIX + name: d.kind for name, d in METRICS.items()} | OTHER_METRICS
+    histograms' ``_bucket`` / ``_sum`` / ``_count``); ``gpu=False``: those of a CPU-only app."""
+    kinds = {PREFIX + name: d.kind for name, d in METRICS.items() if gpu or not d.gpu_only} | OTHER_METRICS
     names = set()
     for full, kind in kinds.items():
         base = EXPORT_PREFIX + full

@@ -79,7 +79,10 @@ class LLMEngine:
         # Tokens computed per step, for the serving layer's metrics to pop (bounded: nobody may read).
         self.step_tokens: collections.deque[int] = collections.deque(maxlen=STEP_TOKENS_KEPT)
         self._stats = EngineStats(max_num_seqs=config.scheduler.max_num_seqs,
-                                  kv_blocks_total=self.runner.num_blocks, block_size=bs)
+                                  kv_blocks_total=self.runner.num_blocks, block_size=bs,
+                                  weights_bytes=self.runner.param_bytes,
+                                  kv_cache_bytes=sum(t.numel() * t.element_size()
+                                                     for kv in self.runner.kv_caches for t in kv))
         logger.info("engine ready: %s (%s), max_model_len %d, %d KV blocks x %d tokens, %s on %s",
                     self.model_path.name, self.arch.architecture, self.max_model_len, self.runner.num_blocks,
                     bs, self.runner.dtype, self.runner.device)
@@ -146,6 +149,7 @@ class LLMEngine:
         req = Request(request_id, prompt, params, priority, next(self._seq), self.max_total_tokens, seed,
                       self.eos_token_ids, arrival_time)
         req.token_ids.extend(resumed)
+        req.record(req.timing.arrival_time, "queued", self.scheduler.num_waiting, len(self.scheduler.running))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -176,6 +180,7 @@ class LLMEngine:
             return False
         self.scheduler.abort(req)
         req.timing.finished_time = time.monotonic()
+        req.record(req.timing.finished_time, "finished", req.finish_reason, req.num_output_tokens)
         self._stats.num_aborted += 1
         self._pending.append(self._output(req, [], None))
         return True
@@ -189,11 +194,6 @@ class LLMEngine:
         timings = self._timings
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        now = time.monotonic()
-        for rid in sched.admitted:
-            req = self.requests[rid]
-            if req.timing.first_scheduled_time is None:
-                req.timing.first_scheduled_time = now
         if timings is not None:
             timings["schedule"] = timings.get("schedule", 0.0) + time.perf_counter() - t0
         if sched.empty:
@@ -222,6 +222,7 @@ class LLMEngine:
         req.token_ids.append(tok)
         if req.timing.first_token_time is None:
             req.timing.first_token_time = now
+            req.record(now, "first_token")
         n_out = req.num_output_tokens
         p = req.params
         reason = None
@@ -238,6 +239,7 @@ class LLMEngine:
         self.scheduler.remove(req)
         req.finish_reason = reason
         req.timing.finished_time = now or time.monotonic()
+        req.record(req.timing.finished_time, "finished", reason, req.num_output_tokens)
         self._stats.num_finished += 1
 
     def _output(self, req: Request, new_ids: list[int], lps: list | None) -> StreamOutput:

@@ -12,6 +12,20 @@ from dataclasses import asdict, dataclass, field
 FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context length
 FINISH_ABORT = "abort"    # aborted by the caller (cancel, disconnect, deadline)
+PREEMPT_KV_FULL = "kv_cache_full"  # the KV pool ran dry: the victim's blocks go to others, it is recomputed later
+
+# The scheduling audit trail: each event's details, in the order the engine records them.
+AUDIT_DETAILS: dict[str, tuple[str, ...]] = {
+    "queued": ("waiting", "running"),        # requests already waiting / running when it arrived
+    "scheduled": ("cached_tokens",),         # first admission; prompt tokens found in the prefix cache
+    "prefill_chunk": ("start", "tokens", "cached_tokens"),  # cached_tokens: on an admission's first chunk
+    "preempted": ("reason", "tokens"),       # tokens: computed tokens dropped, to be recomputed
+    "resumed": ("cached_tokens",),           # readmitted after a preemption
+    "first_token": (),
+    "finished": ("reason", "tokens"),        # tokens: output tokens
+}
+MAX_AUDIT_EVENTS = 256
+"""Per request; beyond it only ``finished`` is still recorded (a preemption storm must not grow memory)."""
 
 
 @dataclass(slots=True)
@@ -23,6 +37,9 @@ class RequestTiming:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    events: list[tuple] = field(default_factory=list)
+    """The audit trail: ``(time, event, *details)`` tuples (details named by AUDIT_DETAILS), appended
+    by the engine as things happen; nothing is formatted in the step loop (see ``audit_records``)."""
 
     @property
     def queued_s(self) -> float | None:
@@ -31,6 +48,14 @@ class RequestTiming:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+def audit_records(timing: RequestTiming) -> list[dict]:
+    """The audit trail as plain dicts: ``time_s`` (seconds since the request reached the engine),
+    ``event`` and its details by name. Built once, when the request ends."""
+    t0 = timing.arrival_time
+    return [{"time_s": t - t0, "event": event, **dict(zip(AUDIT_DETAILS[event], details))}
+            for t, event, *details in list(timing.events)]
 
 
 @dataclass(slots=True)
@@ -92,6 +117,10 @@ class EngineStats:
     num_aborted: int = 0
     last_step_time: float = 0.0
     """time.monotonic() when the loop last finished a step (or idled)."""
+    weights_bytes: int = 0
+    """Model weights this engine (rank 0 with tensor parallelism) holds on its device."""
+    kv_cache_bytes: int = 0
+    """The KV pool it allocated: with the weights, the memory budget it planned for."""
     step_time_s: dict = field(default_factory=dict)
     """Cumulative seconds per step phase (schedule, prepare, forward, sample, output) when profiling."""
 

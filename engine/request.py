@@ -11,7 +11,7 @@ import enum
 import time
 
 from engine.kv.hashing import ROOT_HASH
-from engine.outputs import RequestTiming
+from engine.outputs import MAX_AUDIT_EVENTS, RequestTiming
 from engine.sampling import SamplingParams
 
 
@@ -71,6 +71,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def record(self, t: float, event: str, *details) -> None:
+        """Append to the audit trail (a tuple; formatting waits until the request ends)."""
+        events = self.timing.events
+        if len(events) < MAX_AUDIT_EVENTS or event == "finished":
+            events.append((t, event, *details))
 
     def sort_key(self) -> tuple[int, int]:
         """Queue order: lower priority value first, then first come, first served."""

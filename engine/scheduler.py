@@ -12,12 +12,13 @@ previous one has fully drained: the straw man continuous batching is measured ag
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import ROOT_HASH
-from engine.outputs import FINISH_ABORT
+from engine.outputs import FINISH_ABORT, PREEMPT_KV_FULL
 from engine.request import Request, RequestStatus
 
 
@@ -27,6 +28,8 @@ class ScheduledChunk:
     start: int
     """Position of the first token computed in this step (== tokens already computed)."""
     num_tokens: int
+    cached_tokens: int = 0
+    """On an admission's chunk: the tokens before ``start`` taken from the prefix cache."""
 
     @property
     def samples(self) -> bool:
@@ -51,6 +54,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
+    time: float = 0.0
+    """time.monotonic() when the step was scheduled: the time of its audit events."""
 
     @property
     def empty(self) -> bool:
@@ -107,7 +112,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(time=time.monotonic())
         budget = self.token_budget
         scheduled: dict[str, ScheduledChunk] = {}
         # Decodes before the rest of chunked prefills (a recomputed request keeps its old
@@ -153,6 +158,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
+        req.record(out.time, "preempted", PREEMPT_KV_FULL, req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.num_hashed_blocks = 0
         req.last_block_hash = ROOT_HASH
@@ -199,6 +205,8 @@ class Scheduler:
             if first_time:
                 self.blocks.record_lookup(req.num_tokens, num_cached)
                 req.num_cached_tokens = num_cached
+                req.timing.first_scheduled_time = out.time
+            req.record(out.time, "scheduled" if first_time else "resumed", num_cached)
             self.blocks.take_cached(cached)
             req.block_ids = cached + self.blocks.allocate(need)
             req.num_computed_tokens = num_cached
@@ -206,18 +214,21 @@ class Scheduler:
             req.last_block_hash = hashes[-1] if hashes else ROOT_HASH
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled[req.request_id] = ScheduledChunk(req, num_cached, n)
+            scheduled[req.request_id] = ScheduledChunk(req, num_cached, n, num_cached)
             out.admitted.append(req.request_id)
             budget -= n
         return budget
 
     def after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed counts and publish blocks that became full to the prefix cache."""
+        """Advance computed counts, publish blocks that became full to the prefix cache and
+        note the prefill chunks that ran (a decode computes one token past the prompt)."""
         bs = self.blocks.block_size
         for chunk in out.chunks:
             req = chunk.request
             if req.status is not RequestStatus.RUNNING:
                 continue
+            if chunk.num_tokens > 1 or chunk.start < req.num_prompt_tokens:
+                req.record(out.time, "prefill_chunk", chunk.start, chunk.num_tokens, chunk.cached_tokens)
             req.num_computed_tokens = chunk.start + chunk.num_tokens
             while (req.num_hashed_blocks + 1) * bs <= req.num_computed_tokens:
                 i = req.num_hashed_blocks
