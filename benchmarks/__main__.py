@@ -1,4 +1,7 @@
-"""``python -m benchmarks [--quick] [--workload NAME] [--json-out FILE] [--systems a,b] [--out-dir D]``."""
+"""``python -m benchmarks [--quick] [--workload NAME] [--json-out FILE] [--systems a,b] [--out-dir D]``.
+
+On a GPU without a model hub: ``python -m benchmarks --device cuda --dtype bfloat16 --model-shape llama-1b``
+(random weights of that shape, made in place)."""
 
 from __future__ import annotations
 
@@ -47,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="local HF model directory or built-in name (default: the engine's default model; "
                         "--quick: a tiny random model)")
+    p.add_argument("--model-shape", default=None, choices=sorted(models.MODEL_SHAPES),
+                   help="random weights of this model's shape, written to a temporary directory (no hub)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where every system runs (default cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations of every system (auto: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--num-requests", type=_positive_int, default=None, help="override the preset's request count")
     p.add_argument("--arrival", default=None, help="'burst' (all at t=0, default) or 'poisson:RATE' requests/s")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -69,8 +77,30 @@ def _settings(args, model_dir: Path, max_seq_len: int) -> BenchSettings:
     blocks = args.num_kv_blocks or kv_blocks_for(max_seq_len, args.block_size, args.max_num_seqs)
     return BenchSettings(str(model_dir), max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                         num_kv_blocks=blocks, threads=args.threads,
+                         num_kv_blocks=blocks, threads=args.threads, dtype=_dtype(args), device=args.device,
                          enable_prefix_caching=not args.no_prefix_caching)
+
+
+def _dtype(args) -> str:
+    if args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if args.device == "cuda" else "float32"
+
+
+def _device_info(settings: BenchSettings, model_dir: Path) -> dict:
+    """The GPU, its torch and CUDA versions, and the attention kernel the engine picks for the model."""
+    import torch
+
+    from engine.attention import resolve_backend
+    from engine.model import ModelArch
+
+    if settings.device != "cuda":
+        return {"device": settings.device}
+    device = torch.device("cuda")
+    arch = ModelArch.from_dir(model_dir)
+    backend, why = resolve_backend("auto", device, getattr(torch, settings.dtype), settings.block_size, arch.head_dim)
+    return {"device": "cuda", "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "attention_backend": backend, "attention_why": why}
 
 
 def _collect(raw: dict) -> dict:
@@ -108,7 +138,8 @@ def run(args, spec: WorkloadSpec, model_dir: Path, model_label: str, argv: list[
         "workload": {**spec.describe(), "schedule_bound": bound},
         "model": model_label, "quick": args.quick,
         "command": "python -m benchmarks " + " ".join(argv), "settings": settings.as_dict(),
-        "environment": environment(threads, load_at_start), "systems": systems, "ratios": table,
+        "environment": {**environment(threads, load_at_start), **_device_info(settings, model_dir)},
+        "systems": systems, "ratios": table,
         "targets": judge_targets(spec.name, table, profile_out, bound), "profile": profile_out,
     }
     results["plots"] = write_plots(results, out_dir)
@@ -122,11 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         parse_systems(args.systems)
+        if args.model and args.model_shape:
+            raise ValueError("give --model or --model-shape, not both")
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda asked for, but CUDA is not available")
         spec = get_workload(args.workload, num_requests=args.num_requests,
                             arrival=Arrival.parse(args.arrival) if args.arrival else None, seed=args.seed)
         with tempfile.TemporaryDirectory(prefix="slotserve-bench-model-") as tmp:
             if args.model:
                 model_dir, label = models.resolve_default_model(args.model), args.model
+            elif args.model_shape:
+                model_dir = models.make_shaped_model_dir(Path(tmp) / args.model_shape, args.model_shape,
+                                                         _dtype(args), args.device)
+                label = f"{args.model_shape} shape, random weights"
             elif args.quick:
                 model_dir, label = models.make_tiny_model_dir(Path(tmp) / "tiny"), "tiny random Llama"
             else:

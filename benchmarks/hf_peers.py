@@ -105,13 +105,23 @@ def run_hf_generate(requests: list[BenchRequest], settings: BenchSettings,
 
 
 def _cb_config(settings: BenchSettings):
+    """The same page size, pool and batch limits as the engine. On CUDA, transformers' own choices
+    for CUDA graphs and async batching (its best settings there); on CPU both off."""
+    import importlib.util
+    import inspect
+
     from transformers import ContinuousBatchingConfig
 
-    return ContinuousBatchingConfig(
+    gpu = settings.device.startswith("cuda")
+    wanted = dict(
         page_size=settings.block_size, num_blocks=settings.num_kv_blocks,
         max_batch_tokens=settings.max_num_batched_tokens, max_requests_per_batch=settings.max_num_seqs,
-        allow_block_sharing=settings.enable_prefix_caching, use_cuda_graph=False, use_async_batching=False,
-        auto_switch_to_flash=False, seed=0)
+        allow_block_sharing=settings.enable_prefix_caching, use_cuda_graph=None if gpu else False,
+        use_async_batching=None if gpu else False,
+        auto_switch_to_flash=gpu and importlib.util.find_spec("flash_attn") is not None, seed=0)
+    # Older transformers lack some fields (5.17: no page_size): pass what this version takes.
+    accepted = inspect.signature(ContinuousBatchingConfig).parameters
+    return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
 
 
 def _active_requests(manager) -> int | None:

@@ -1,6 +1,11 @@
 """Model runner: turns a scheduler step into packed tensors, runs the model, samples.
 
-Step inputs are built by engine.attention.metadata (shared by every backend).
+Step inputs are built by engine.attention.metadata (shared by every backend) over a block
+table kept on the device (engine.attention.block_table). A step's host work is building a
+few small integer arrays; everything it ships to the device goes in non-blocking copies,
+and the only wait for the device is reading the sampled token ids. On CUDA, decode-only
+steps replay captured graphs (engine.cuda_graphs) and the KV pool is sized from a measured
+memory budget (engine.memory).
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from typing import Callable
 import torch
 
 from engine.attention import create_backend
+from engine.attention.block_table import BlockTable
 from engine.attention.metadata import build_step_inputs
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.memory import MemoryBudget, dummy_prefill, measure_peak, outside_torch_bytes, worst_case_sampling
 from engine.model import ModelArch, load_model
 from engine.parallel import ParallelGroup
 from engine.sampler import Sampler, SamplingBatch
@@ -24,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_GB = 2.0
-GPU_MEMORY_FRACTION = 0.85
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,34 +61,49 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
         heads = self.group.heads(arch.num_heads, arch.num_kv_heads)
         self.backend = create_backend(config.attention_backend, self.device, heads.q_count, heads.kv_count,
-                                      arch.head_dim, self.block_size)
+                                      arch.head_dim, self.block_size, self.dtype)
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.num_layers = arch.num_layers
-        blocks = self._pool_size(max_model_len)
-        self.num_blocks = agree_blocks(blocks, self.param_bytes) if agree_blocks is not None else blocks
-        self.kv_caches = [self.backend.allocate_cache(self.num_blocks, self.dtype, self.device)
-                          for _ in range(arch.num_layers)]
         self.sampler = Sampler()
+        max_seqs = config.scheduler.max_num_seqs
+        self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.group.world_size == 1
+                           and self.backend.supports_cuda_graphs)
+        # Most context tokens one step can read: every slot at full length, rounded to blocks.
+        self.max_context_tokens = max_seqs * -(-max_model_len // self.block_size) * self.block_size
+        blocks = self._pool_size()
+        self.num_blocks = agree_blocks(blocks, self.param_bytes) if agree_blocks is not None else blocks
+        self.scratch_block = self.num_blocks
+        """One block past the pool: padding rows of captured steps write there, never a request."""
+        self.kv_caches = [self.backend.allocate_cache(self.num_blocks + 1, self.dtype, self.device)
+                          for _ in range(arch.num_layers)]
+        if self.device.type == "cuda":
+            self.backend.reserve(self.max_context_tokens, self.dtype, self.device)
+        self.block_table = BlockTable(max_seqs, -(-max_model_len // self.block_size), self.device,
+                                      pad_block=self.scratch_block)
+        self.graphs: DecodeGraphs | None = None
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.block_table, self.block_size,
+                                       max_seqs, max_model_len, arch.vocab_size, self.device)
+            with torch.inference_mode():
+                self.graphs.capture()
         self.send_step: Callable[[list], None] | None = None
         """Rank 0 with tensor parallelism: hands each step to the other ranks before running it."""
 
-    def _pool_size(self, max_model_len: int) -> int:
+    # ------------------------------------------------------------------ KV pool
+    def _pool_size(self) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         per_block = self.backend.bytes_per_block(self.dtype) * self.num_layers
-        if cache.kv_cache_memory_gb is not None:
-            budget = cache.kv_cache_memory_gb * (1 << 30)
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * GPU_MEMORY_FRACTION
-        else:
-            budget = DEFAULT_CPU_KV_GB * (1 << 30)
         # No use holding more than every slot at full length (plus room for cached prefixes).
-        ceiling = 2 * self.config.scheduler.max_num_seqs * -(-max_model_len // self.block_size)
+        ceiling = 2 * self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if cache.kv_cache_memory_gb is None and self.device.type == "cuda":
+            return self._gpu_pool_size(per_block, ceiling)
+        budget = (cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_GB) * (1 << 30)
         blocks = min(int(budget // per_block), ceiling)
         if blocks < 2:
             raise ValueError(f"KV cache budget {budget / (1 << 30):.3f} GiB holds fewer than 2 blocks "
@@ -90,9 +112,44 @@ class ModelRunner:
                     blocks * per_block / (1 << 30))
         return blocks
 
+    def _gpu_pool_size(self, per_block: int, ceiling: int) -> int:
+        weights = torch.cuda.memory_allocated(self.device)
+        activations = self._profile_largest_step()
+        total, other = outside_torch_bytes(self.device)
+        budget = MemoryBudget(
+            total_bytes=total, utilization=self.config.cache.gpu_memory_utilization, weights_bytes=weights,
+            activation_bytes=activations, graph_pool_bytes=activations if self.use_graphs else 0,
+            gather_bytes=self.backend.scratch_bytes(self.max_context_tokens, self.dtype), other_bytes=other,
+            block_bytes=per_block)
+        blocks = budget.num_blocks(ceiling)
+        logger.info("GPU memory: %s -> KV pool %d blocks of %d tokens", budget.describe(), blocks, self.block_size)
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_largest_step(self) -> int:
+        """Peak activation bytes of the largest step, run on a throwaway cache just big enough."""
+        sched = self.config.scheduler
+        chunks, used = dummy_prefill(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len,
+                                     self.block_size)
+        caches = [self.backend.allocate_cache(used, self.dtype, self.device) for _ in range(self.num_layers)]
+        sampling = worst_case_sampling(len(chunks), self.device)
+
+        def step():
+            _, input_ids, positions, meta, logits_idx = build_step_inputs(chunks, self.block_size, self.device)
+            self.backend.plan(meta)
+            logits = self.model(input_ids, positions, caches, meta, logits_idx)
+            if logits is not None:  # rank 0 samples; other tensor-parallel ranks get None
+                self.sampler(logits, sampling)
+
+        try:
+            return measure_peak(step, self.device)
+        finally:
+            caches.clear()
+            torch.cuda.empty_cache()
+
     # ------------------------------------------------------------------ one step
     def prepare(self, chunks: list):
-        return build_step_inputs(chunks, self.block_size, self.device)
+        return build_step_inputs(chunks, self.block_size, self.device, self.block_table)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], timings: dict[str, float] | None = None):
@@ -101,17 +158,26 @@ class ModelRunner:
         if self.send_step is not None:
             self.send_step(chunks)
         tb = time.perf_counter()
-        sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks)
-        reqs = [c.request for c in sampling]
-        t1 = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        key = self.graphs.key_for(chunks) if self.graphs is not None else None
+        if key is None:
+            sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks)
+            reqs = [c.request for c in sampling]
+            batch = SamplingBatch.build(reqs, self.device) if reqs else None
+            t1 = time.perf_counter()
+            self.backend.plan(meta)
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        else:
+            rows = [i for i, c in enumerate(chunks) if c.samples]
+            reqs = [chunks[i].request for i in rows]
+            batch = SamplingBatch.build(reqs, self.device) if reqs else None
+            t1 = time.perf_counter()
+            logits = self.graphs.run(chunks, key)
+            if len(rows) < len(chunks):
+                logits = logits[torch.tensor(rows).to(self.device, non_blocking=True)]
         if timings is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        if not reqs:
-            tokens, logprobs = [], []
-        else:
-            tokens, logprobs = self.sampler(logits, SamplingBatch.build(reqs, self.device))
+        tokens, logprobs = self.sampler(logits, batch) if reqs else ([], [])
         t3 = time.perf_counter()
         if timings is not None:
             if self.send_step is not None:
@@ -126,4 +192,5 @@ class ModelRunner:
         """A step rank 0 scheduled, on another tensor-parallel rank: the same inputs and the same
         collectives; the logits go to rank 0, which samples."""
         _, input_ids, positions, meta, logits_idx = self.prepare(chunks)
+        self.backend.plan(meta)
         self.model(input_ids, positions, self.kv_caches, meta, logits_idx)

@@ -68,16 +68,22 @@ class SamplingBatch:
         top_p = [p.top_p for p in ps]
         min_p = [p.min_p for p in ps]
         lp = [p.logprobs for p in ps if p.logprobs is not None]
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        # Two host-to-device copies that do not wait for the GPU (the step syncs once, on its tokens).
+        floats = torch.tensor([temps, top_p, min_p], dtype=torch.float32)
+        ints = torch.tensor([top_k, [r.seed for r in requests], [r.num_output_tokens for r in requests]],
+                            dtype=torch.int64)
+        if torch.device(device).type != "cpu":
+            floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        temperature, top_p_t, min_p_t = floats.unbind()
+        top_k_t, seeds, positions = ints.unbind()
         return cls(
             requests=requests,
-            temperature=torch.tensor(temps, **f32),
-            top_k=torch.tensor(top_k, **i64),
-            top_p=torch.tensor(top_p, **f32),
-            min_p=torch.tensor(min_p, **f32),
-            seeds=torch.tensor([r.seed for r in requests], **i64),
-            positions=torch.tensor([r.num_output_tokens for r in requests], **i64),
+            temperature=temperature,
+            top_k=top_k_t,
+            top_p=top_p_t,
+            min_p=min_p_t,
+            seeds=seeds,
+            positions=positions,
             all_greedy=all(t == 0.0 for t in temps),
             any_random=any(t > 0.0 for t in temps),
             any_top_k=any(k > 0 for k in top_k),

@@ -223,6 +223,54 @@ def test_harness_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert np.isfinite(results["elapsed_s"])
 
 
+def test_model_shape_benchmark_runs_on_random_weights_of_that_shape(tmp_path, capsys):
+    from benchmarks.__main__ import main
+    from benchmarks.models import MODEL_SHAPES
+
+    code = main(["--model-shape", "tiny", "--workload", "tiny", "--systems", "continuous", "--no-profile",
+                 "--threads", "1", "--out-dir", str(tmp_path / "out"), "--json-out", str(tmp_path / "r.json")])
+    assert code == 0, capsys.readouterr().out
+    results = json.loads((tmp_path / "r.json").read_text())
+    asked = {r.request_id: r.output_len
+             for r in build_requests(get_workload("tiny"), MODEL_SHAPES["tiny"][1]["vocab_size"])}
+    run = results["systems"]["continuous"]
+    assert {r["id"]: r["output_tokens"] for r in run["requests"]} == asked
+    assert results["model"] == "tiny shape, random weights"
+    assert results["settings"]["dtype"] == "float32" and results["environment"]["device"] == "cpu"
+
+
+def test_model_shapes_write_checkpoints_both_engines_load(tmp_path, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import models
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setattr(models, "SHARD_BYTES", 1 << 16)  # several shards and an index, like a hub checkpoint
+    path = models.make_shaped_model_dir(tmp_path / "m", "tiny", "float32")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 1
+    ours = LLM(str(path), device="cpu").generate([{"prompt_token_ids": [5, 6, 7]}],
+                                                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    want = hf.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                       pad_token_id=0)[0, 3:].tolist()
+    assert ours[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="model shape must be one of"):
+        models.make_shaped_model_dir(tmp_path / "x", "llama-70b")
+
+
+def test_cli_rejects_cuda_without_a_gpu_and_model_with_shape(capsys):
+    from benchmarks.__main__ import main
+
+    assert main(["--model", "x", "--model-shape", "tiny"]) == 2
+    assert "--model or --model-shape" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main(["--device", "cuda", "--model-shape", "tiny"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
 def test_engine_profile_shares_step_time_by_phase_at_each_level(tmp_path):
     from benchmarks.models import make_tiny_model_dir
     from benchmarks.profile import LEVELS, PHASES, run_profile

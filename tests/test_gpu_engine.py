@@ -1,4 +1,6 @@
-"""The engine on CUDA (run where a GPU is present; skipped elsewhere)."""
+"""The engine on CUDA (run where a GPU is present; skipped elsewhere): fp32 equals HF greedy,
+with CUDA graphs and without, with a KV pool small enough that preemption must happen; the
+auto-chosen FlashAttention backend agrees with the torch backend in bf16."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from engine import LLM, SamplingParams
 from tests.factories import make_model_dir
 
 pytestmark = pytest.mark.gpu
-PROMPTS = [[5, 9, 13, 200, 7], list(range(20, 300)), [300] * 3]
+PROMPTS = [[5, 9, 13, 200, 7], list(range(20, 300)), [300] * 3, list(range(40, 140)), [17] * 60, [8, 1]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
@@ -19,12 +21,8 @@ def model_dir(tmp_path_factory):
                           hidden=128, heads=8, kv_heads=2)
 
 
-def _engine_tokens(path, **options):
-    llm = LLM(str(path), device="cuda", **options)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
-
-
-def test_cuda_fp32_torch_backend_matches_hf(model_dir):
+@pytest.fixture(scope="module")
+def hf_greedy(model_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
@@ -34,13 +32,45 @@ def test_cuda_fp32_torch_backend_matches_hf(model_dir):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                           do_sample=False, pad_token_id=0)
         want.append(out[0, len(p):].tolist())
-    got = _engine_tokens(model_dir, dtype="float32", attention_backend="torch", block_size=16, num_kv_blocks=128)
-    assert got == want
+    return want
+
+
+def _engine(path, **options) -> LLM:
+    return LLM(str(path), device="cuda", **options)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_fp32_torch_backend_matches_hf(model_dir, hf_greedy, eager):
+    llm = _engine(model_dir, dtype="float32", attention_backend="torch", block_size=16, num_kv_blocks=128,
+                  enforce_eager=eager)
+    assert (llm.engine.runner.graphs is None) == eager
+    assert _tokens(llm) == hf_greedy
+
+
+def test_cuda_fp32_matches_hf_with_preemption_forced(model_dir, hf_greedy):
+    # 21 blocks of 16 tokens: the first three prompts are admitted together and end needing 2 + 19 + 2.
+    llm = _engine(model_dir, dtype="float32", attention_backend="torch", block_size=16, num_kv_blocks=21,
+                  max_num_seqs=4)
+    assert _tokens(llm) == hf_greedy
+    assert llm.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_auto_backend_agrees_with_torch_backend_in_bf16(model_dir, block_size):
+    auto = _engine(model_dir, dtype="bfloat16", block_size=block_size, num_kv_blocks=4096 // block_size)
+    assert auto.engine.runner.backend.name != "torch"
+    ref = _engine(model_dir, dtype="bfloat16", attention_backend="torch", block_size=block_size,
+                  num_kv_blocks=4096 // block_size)
+    # bf16 kernels round differently; the first tokens of each greedy path must agree.
+    assert [t[:4] for t in _tokens(auto)] == [t[:4] for t in _tokens(ref)]
 
 
 def test_flash_backend_agrees_with_torch_backend(model_dir):
     pytest.importorskip("flash_attn")
-    flash = _engine_tokens(model_dir, dtype="bfloat16", attention_backend="flash", block_size=256, num_kv_blocks=16)
-    ref = _engine_tokens(model_dir, dtype="bfloat16", attention_backend="torch", block_size=256, num_kv_blocks=16)
-    # bf16 kernels round differently; the first tokens of each greedy path must agree.
+    flash = _tokens(_engine(model_dir, dtype="bfloat16", attention_backend="flash", block_size=256, num_kv_blocks=16))
+    ref = _tokens(_engine(model_dir, dtype="bfloat16", attention_backend="torch", block_size=256, num_kv_blocks=16))
     assert [t[:4] for t in flash] == [t[:4] for t in ref]

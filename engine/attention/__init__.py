@@ -1,15 +1,28 @@
-"""Attention backends, chosen once at start-up from a registry of lazy factories."""
+"""Attention backends, chosen once at start-up from a registry of lazy factories.
+
+- ``torch``: the reference, any device and dtype (engine.attention.torch_ref).
+- ``varlen``: FlashAttention-2 as shipped in torch (``torch.nn.attention.varlen``), any block
+  size: paged in place at multiples of 256 where this torch can, else a gather per layer.
+- ``flash``: the flash-attn 2 package, paged in place; block size a multiple of 256.
+- ``fa3``: FlashAttention-3 (``flash_attn_interface``), paged in place, any block size; Hopper.
+
+``auto`` takes the first of fa3, flash, varlen that can run on the device, dtype and block
+size (FlashAttention kernels are CUDA and float16/bfloat16 only), else torch, and logs why.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
+HALF = (torch.float16, torch.bfloat16)
 
 
 def _torch_backend():
@@ -17,34 +30,115 @@ def _torch_backend():
     return TorchAttentionBackend
 
 
+def _varlen_backend():
+    from engine.attention.varlen import VarlenAttentionBackend
+    return VarlenAttentionBackend
+
+
 def _flash_backend():
     from engine.attention.flash import FlashAttentionBackend
     return FlashAttentionBackend
 
 
-BACKENDS = {"torch": _torch_backend, "flash": _flash_backend}
+def _fa3_backend():
+    from engine.attention.fa3 import FA3AttentionBackend
+    return FA3AttentionBackend
 
 
-def resolve_backend_name(name: str, device: torch.device, block_size: int) -> str:
+@dataclass(frozen=True)
+class BackendSpec:
+    factory: Callable[[], type]
+    needs: str
+    """What it takes to run, for the error when it cannot."""
+
+
+BACKENDS = {
+    "torch": BackendSpec(_torch_backend, "nothing beyond torch (any device, any dtype, any block_size)"),
+    "varlen": BackendSpec(_varlen_backend, "a CUDA build of torch with torch.nn.attention.varlen, a CUDA device, "
+                                           "float16/bfloat16 and head_dim a multiple of 8 up to 256 "
+                                           "(any block_size; paged in place at multiples of 256)"),
+    "flash": BackendSpec(_flash_backend, "the flash-attn package (pip install 'slotserve[gpu]'), a CUDA device, "
+                                         "float16/bfloat16 and block_size a multiple of 256"),
+    "fa3": BackendSpec(_fa3_backend, "FlashAttention-3 (module flash_attn_interface, built from flash-attention's "
+                                     "hopper/ folder), a Hopper GPU (compute capability 9.x) and float16/bfloat16; "
+                                     "any block_size"),
+}
+AUTO_ORDER = ("fa3", "flash", "varlen")
+WHY = {
+    "fa3": "FlashAttention-3 reads the paged cache in place at any block size",
+    "flash": "flash-attn 2 reads the paged cache in place (block_size a multiple of 256)",
+    "varlen": "torch's FlashAttention-2 varlen kernel, no extra package",
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def backend_problem(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                    head_dim: int) -> str | None:
+    """Why backend ``name`` cannot run here, or None when it can."""
+    if name == "torch":
+        return None
+    if device.type != "cuda":
+        return f"it needs a CUDA device, not {device.type}"
+    if dtype not in HALF:
+        return f"FlashAttention kernels take float16/bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim must be a multiple of 8 up to 256, got {head_dim}"
+    if name == "varlen":
+        from engine.attention.varlen import torch_varlen_kernel
+        return None if torch_varlen_kernel() is not None else f"torch {torch.__version__} has no varlen_attn"
+    if name == "flash":
+        if not _installed("flash_attn"):
+            return "the flash-attn package is not installed"
+        if block_size % 256:
+            return f"block_size must be a multiple of 256 for flash-attn's paged KV, got {block_size}"
+        return None
+    if name == "fa3":
+        if not _installed("flash_attn_interface"):
+            return "FlashAttention-3 (flash_attn_interface) is not installed"
+        major, minor = torch.cuda.get_device_capability(device)
+        return None if major == 9 else f"FlashAttention-3 needs compute capability 9.x, this GPU is {major}.{minor}"
+    raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                    head_dim: int) -> tuple[str, str]:
+    """(backend name, why it was chosen). Raises ValueError when ``name`` cannot run here."""
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
-        if name == "flash" and device.type != "cuda":
-            raise ValueError("attention_backend 'flash' needs a CUDA device")
-        return name
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        if block_size % 256 == 0:
-            return "flash"
-        logger.warning("flash-attn is installed but block_size %d is not a multiple of 256; "
-                       "using the torch attention backend", block_size)
-    return "torch"
+        problem = backend_problem(name, device, dtype, block_size, head_dim)
+        if problem is not None:
+            raise ValueError(f"attention_backend {name!r} cannot run here: {problem}. "
+                             f"It needs {BACKENDS[name].needs}")
+        return name, "asked for"
+    if device.type != "cuda":
+        return "torch", f"the reference backend on {device.type}"
+    skipped = []
+    for candidate in AUTO_ORDER:
+        problem = backend_problem(candidate, device, dtype, block_size, head_dim)
+        if problem is None:
+            return candidate, WHY[candidate] + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
+        skipped.append(f"{candidate}: {problem}")
+    return "torch", "no FlashAttention kernel can run: " + "; ".join(skipped)
 
 
 def create_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
-                   block_size: int) -> AttentionBackend:
-    resolved = resolve_backend_name(name, device, block_size)
-    logger.info("attention backend: %s (asked: %s, device: %s)", resolved, name, device)
-    return BACKENDS[resolved]()(num_heads, num_kv_heads, head_dim, block_size)
+                   block_size: int, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    resolved, why = resolve_backend(name, device, dtype, block_size, head_dim)
+    backend = BACKENDS[resolved].factory()(num_heads, num_kv_heads, head_dim, block_size)
+    mode = ""
+    if resolved == "varlen":
+        mode = ", paged in place" if backend.paged else ", context gathered per layer"
+    logger.info("attention backend: %s%s (asked: %s; %s, %s, block_size %d): %s", resolved, mode, name, device,
+                str(dtype).removeprefix("torch."), block_size, why)
+    return backend
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "create_backend", "resolve_backend_name"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "backend_problem", "create_backend",
+           "resolve_backend"]

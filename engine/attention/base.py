@@ -7,8 +7,10 @@ blocks listed in ``block_table[i]``. New K/V are first written to the cache at
 ``slot_mapping`` (``block * block_size + offset`` per new token). Every backend computes
 exactly this; only the memory layout of its cache and the kernels differ.
 
-The runner orders requests so that decodes (one query token) come first, sorted by
-decreasing KV length, then prefill chunks: backends may batch decodes by length groups.
+Requests come in three runs (engine.attention.metadata.order_chunks): decodes (one query
+token, by decreasing KV length, so the torch backend can batch them in length groups),
+then chunks after a cached prefix, then first chunks (``start == 0``). The first
+``num_gathered`` requests read context from the cache; the rest only their own new K/V.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor   # [B + 1] int32
     cu_seqlens_k: torch.Tensor   # [B + 1] int32
     seqlens_k: torch.Tensor      # [B] int32: context + new tokens
-    block_table: torch.Tensor    # [B, max_blocks] int32, rows padded with 0
+    block_table: torch.Tensor    # [B, max_blocks] int32; entries past a request's blocks are 0
     slot_mapping: torch.Tensor   # [num_tokens] int64
     max_seqlen_q: int
     max_seqlen_k: int
@@ -34,10 +36,26 @@ class AttentionMetadata:
     kv_lens: list[int]
     decode_groups: list[tuple[int, int, int]]
     """(first, end, max_kv_len) ranges over the decodes, for length-bucketed batching."""
+    num_gathered: int = -1
+    """Requests [0, num_gathered) attend to cached context; the rest are first chunks. -1: all."""
+
+    def __post_init__(self) -> None:
+        if self.num_gathered < 0:
+            self.num_gathered = len(self.query_lens)
+
+    @property
+    def gathered_tokens(self) -> int:
+        """Query tokens of the requests that read cached context (they come first)."""
+        return sum(self.query_lens[:self.num_gathered])
 
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    supports_cuda_graphs: bool = True
+    """Decode steps can be captured: no host sync and no allocation that outlives a step."""
+    graph_context_buckets: bool = True
+    """Captured decode work grows with the longest context (a gather or a padded batch), so
+    graphs are keyed by context length too; paged kernels read only the pages they need."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_heads = num_heads
@@ -47,7 +65,8 @@ class AttentionBackend(ABC):
         self.scale = head_dim ** -0.5
 
     @abstractmethod
-    def allocate_cache(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def allocate_cache(self, num_blocks: int, dtype: torch.dtype,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V cache tensors for one layer."""
 
     @abstractmethod
@@ -55,6 +74,21 @@ class AttentionBackend(ABC):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` -> ``[T, heads * d]``; writes k/v to the cache."""
 
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Once per step, before the layers: work every layer shares (device ops only)."""
+
+    def scratch_bytes(self, max_tokens: int, dtype: torch.dtype) -> int:
+        """Bytes of the buffers ``reserve(max_tokens)`` takes (counted in the memory budget)."""
+        return 0
+
+    def reserve(self, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Size step buffers once for up to ``max_tokens`` context tokens per step, so they never
+        grow later (a CUDA graph keeps the addresses it was captured with)."""
+
     def bytes_per_block(self, dtype: torch.dtype) -> int:
         """KV bytes one block takes in one layer (K and V)."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def token_bytes(self, dtype: torch.dtype) -> int:
+        """K plus V bytes of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,8 +1,8 @@
-"""FlashAttention backend (CUDA): paged KV through ``block_table``.
+"""flash-attn 2 backend (CUDA): paged KV read in place through ``block_table``.
 
-Cache layout ``[num_blocks, block_size, kv_heads, head_dim]``, the paged layout flash-attn
-reads. flash-attn's paged KV needs ``block_size`` to be a multiple of 256. Imported lazily:
-flash-attn only builds where CUDA is present (the ``gpu`` extra).
+Cache layout ``[num_blocks, block_size, kv_heads, head_dim]``. flash-attn 2's paged KV needs
+``block_size`` to be a multiple of 256. Imported lazily: flash-attn only builds where CUDA
+is present (the ``gpu`` extra).
 """
 
 from __future__ import annotations
@@ -16,15 +16,18 @@ FLASH_BLOCK_MULTIPLE = 256
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash"
+    graph_context_buckets = False
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size):
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, kernels=None):
+        """``kernels``: (``flash_attn_varlen_func``, ``flash_attn_with_kvcache``); default flash-attn's."""
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         if block_size % FLASH_BLOCK_MULTIPLE:
             raise ValueError(f"block_size must be a multiple of {FLASH_BLOCK_MULTIPLE} for the flash "
                              f"attention backend, got {block_size}")
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-        self._varlen = flash_attn_varlen_func
-        self._with_kvcache = flash_attn_with_kvcache
+        if kernels is None:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+            kernels = flash_attn_varlen_func, flash_attn_with_kvcache
+        self._varlen, self._with_kvcache = kernels
 
     def allocate_cache(self, num_blocks, dtype, device):
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -46,9 +49,8 @@ class FlashAttentionBackend(AttentionBackend):
         if nd < len(meta.query_lens):
             cu_q = meta.cu_seqlens_q[nd:] - meta.cu_seqlens_q[nd]
             cu_k = meta.cu_seqlens_k[nd:] - meta.cu_seqlens_k[nd]
-            start = int(sum(meta.query_lens[:nd]))
-            out[start:] = self._varlen(
-                q[start:], k_cache, v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            out[nd:] = self._varlen(
+                q[nd:], k_cache, v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                 softmax_scale=self.scale, causal=True, block_table=meta.block_table[nd:])
         return out.view(q.shape[0], -1)

@@ -1,16 +1,19 @@
 """Builds one step's packed inputs and attention metadata from the scheduled chunks.
 
-Shared by every backend, so it is tested on CPU. Inputs are packed without padding:
-decodes first (sorted by decreasing KV length, so the torch backend can batch them in
-length groups), then prefill chunks. The slot mapping is computed with tensor ops from
-positions and the block table, not per token in Python.
+Shared by every backend, so it is tested on CPU. Inputs are packed without padding, in the
+order of ``order_chunks``. The host builds a few small integer arrays and ships them in three
+copies; the block table (engine.attention.block_table), the slot mapping and the context
+gather rows are computed on the device with tensor ops, not per token in Python.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from engine.attention.base import AttentionMetadata
+from engine.attention.block_table import BlockTable
 
 # Cost of one extra decode group, in padded KV tokens: a group adds a few kernel launches
 # per layer, which on CPU take about as long as gathering and attending over ~512 tokens.
@@ -39,45 +42,75 @@ def plan_decode_groups(kv_lens: list[int], overhead: int = GROUP_OVERHEAD_TOKENS
     return groups[::-1]
 
 
-def build_step_inputs(chunks, block_size: int, device: torch.device):
+def order_chunks(chunks) -> tuple[list, int, int]:
+    """(ordered chunks, number of decodes, number that read cached context).
+
+    Decodes first, by decreasing KV length; then chunks after a cached prefix; then first
+    chunks (``start == 0``), which attend only to their own new tokens."""
+    decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start)
+    later = [c for c in chunks if c.num_tokens != 1 and c.start > 0]
+    first = [c for c in chunks if c.num_tokens != 1 and c.start == 0]
+    return decodes + later + first, len(decodes), len(decodes) + len(later)
+
+
+def context_rows(block_table: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int,
+                 num_rows: int) -> torch.Tensor:
+    """Row of the flat cache (``[num_blocks * block_size]``) holding each packed context token.
+
+    Request ``i``'s token ``p`` is packed at ``cu_seqlens_k[i] + p`` and lives in row
+    ``block_table[i, p // block_size] * block_size + p % block_size``. ``num_rows`` may exceed
+    the packed total (a captured step has a fixed size): those entries read row 0, unused."""
+    b, width = block_table.shape
+    t = torch.arange(num_rows, dtype=cu_seqlens_k.dtype, device=block_table.device)
+    req = torch.searchsorted(cu_seqlens_k[1:b + 1], t, right=True)
+    inside = req < b
+    req = req.clamp_(max=b - 1)
+    pos = (t - cu_seqlens_k[req]).long()
+    block = block_table[req, (pos // block_size).clamp_(0, width - 1)].long()
+    return (block * block_size + pos % block_size).masked_fill_(~inside, 0)
+
+
+def build_step_inputs(chunks, block_size: int, device: torch.device, table: BlockTable | None = None):
     """Returns (chunks that sample, input_ids, positions, metadata, logits_indices).
 
     ``chunks`` are engine.scheduler.ScheduledChunk (or engine.tp's copies of them on the
     other ranks): ``start``, ``num_tokens``, ``token_ids`` (this step's), ``block_ids`` and
     ``samples`` (the chunk reaches the request's last known token, so it yields logits).
+    ``table``: the runner's persistent block table (default: a throwaway one for this step).
     """
-    decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -(c.start + 1))
-    prefills = [c for c in chunks if c.num_tokens != 1]
-    order = decodes + prefills
-    bs = block_size
+    order, num_decodes, num_gathered = order_chunks(chunks)
+    if table is None:
+        table = BlockTable.for_step(order, block_size, device)
+    rows = table.update(order, block_size)
+    b = len(order)
     query_lens = [c.num_tokens for c in order]
     kv_lens = [c.start + c.num_tokens for c in order]
-    ids: list[int] = [c.token_ids[0] for c in decodes]
-    for c in prefills:
-        ids.extend(c.token_ids)
-    max_blocks = max(-(-kv // bs) for kv in kv_lens)
-    table = []
-    for c in order:
-        row = c.block_ids[:max_blocks]
-        table.append(row + [0] * (max_blocks - len(row)))
-    q_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-    row_of_token = torch.repeat_interleave(torch.arange(len(order)), q_lens_t)
-    cu_q = torch.zeros(len(order) + 1, dtype=torch.int64)
-    torch.cumsum(q_lens_t, 0, out=cu_q[1:])
-    offsets = torch.arange(len(ids)) - cu_q[:-1][row_of_token]
-    positions = torch.tensor([c.start for c in order], dtype=torch.int64)[row_of_token] + offsets
-    block_table = torch.tensor(table, dtype=torch.int64)
-    slots = block_table[row_of_token, positions // bs] * bs + positions % bs
-    kv_t = torch.tensor(kv_lens, dtype=torch.int64)
-    cu_k = torch.zeros(len(order) + 1, dtype=torch.int64)
-    torch.cumsum(kv_t, 0, out=cu_k[1:])
+    ids: list[int] = []
+    positions: list[int] = []
+    row_of_token: list[int] = []
+    for i, c in enumerate(order):
+        if c.num_tokens == 1:
+            ids.append(c.token_ids[0])
+            positions.append(c.start)
+            row_of_token.append(i)
+        else:
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.start + c.num_tokens))
+            row_of_token.extend([i] * c.num_tokens)
+    cu_q = [0, *itertools.accumulate(query_lens)]
     sample_rows = [i for i, c in enumerate(order) if c.samples]
-    logits_indices = (cu_q[1:] - 1)[sample_rows] if sample_rows else torch.zeros(0, dtype=torch.int64)
-    i32 = dict(dtype=torch.int32, device=device)
+    # Three host tensors, shipped in non-blocking copies: per token, per request, cu_seqlens.
+    per_token = torch.tensor([ids, positions, row_of_token], dtype=torch.int64)
+    per_request = torch.tensor(rows + [cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64)
+    lengths = torch.tensor(cu_q + [0, *itertools.accumulate(kv_lens)] + kv_lens, dtype=torch.int32)
+    if device.type != "cpu":
+        per_token, per_request, lengths = (t.to(device, non_blocking=True) for t in (per_token, per_request, lengths))
+    input_ids, pos, token_rows = per_token.unbind()
+    block_table = table.gather(per_request[:b], -(-max(kv_lens) // block_size))
+    slots = block_table[token_rows, pos // block_size].long() * block_size + pos % block_size
     meta = AttentionMetadata(
-        cu_seqlens_q=cu_q.to(**i32), cu_seqlens_k=cu_k.to(**i32), seqlens_k=kv_t.to(**i32),
-        block_table=block_table.to(**i32), slot_mapping=slots.to(device), max_seqlen_q=max(query_lens),
-        max_seqlen_k=max(kv_lens), num_decodes=len(decodes), query_lens=query_lens, kv_lens=kv_lens,
-        decode_groups=plan_decode_groups(kv_lens[:len(decodes)]))
-    input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-    return [order[i] for i in sample_rows], input_ids, positions.to(device), meta, logits_indices.to(device)
+        cu_seqlens_q=lengths[:b + 1], cu_seqlens_k=lengths[b + 1:2 * b + 2], seqlens_k=lengths[2 * b + 2:],
+        block_table=block_table, slot_mapping=slots, max_seqlen_q=max(query_lens), max_seqlen_k=max(kv_lens),
+        num_decodes=num_decodes, query_lens=query_lens, kv_lens=kv_lens,
+        decode_groups=plan_decode_groups(kv_lens[:num_decodes]), num_gathered=num_gathered)
+    return [order[i] for i in sample_rows], input_ids, pos, meta, per_request[b:]

@@ -26,6 +26,13 @@ class TorchAttentionBackend(AttentionBackend):
         shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
+    def scratch_bytes(self, max_tokens, dtype):
+        return max_tokens * self.token_bytes(dtype)
+
+    def reserve(self, max_tokens, dtype, device):
+        need = self.num_kv_heads * max_tokens * self.head_dim
+        self._scratch = [torch.empty(need, dtype=dtype, device=device) for _ in range(2)]
+
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tensor:
         """``[kv_heads, len(blocks) * block_size, d]`` holding the listed blocks, in order.
 

@@ -1,0 +1,150 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step launches a few hundred small kernels; replaying them as one captured graph
+takes the host out of the step. Graphs are captured at start for each (batch bucket,
+context bucket): the step's rows are padded up to the batch bucket, and its longest
+context picks the context bucket (the gather and the torch backend's padded batch grow
+with it; paged kernels need one context bucket). Inputs live in static buffers: token ids,
+positions and block-table rows; the block table, slot mapping, KV lengths and cu_seqlens
+are derived on the device inside the graph. Padding rows read and write only the scratch
+block, which the block manager never hands out. Steps with a prefill chunk, or that fit no
+bucket, run eagerly. Without capture (CPU, tests) the same static path runs eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.block_table import BlockTable
+
+logger = logging.getLogger(__name__)
+
+SMALL_BATCHES = (1, 2, 4, 8)
+BATCH_STEP = 8
+SMALLEST_CONTEXT = 256
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8, and ``max_num_seqs`` itself."""
+    out = [b for b in SMALL_BATCHES if b < max_num_seqs]
+    out += range(SMALL_BATCHES[-1] + BATCH_STEP, max_num_seqs, BATCH_STEP)
+    return sorted(set(out) | {max_num_seqs})
+
+
+def context_buckets(max_model_len: int, smallest: int = SMALLEST_CONTEXT) -> list[int]:
+    """Powers of two from ``smallest`` below ``max_model_len``, then ``max_model_len``."""
+    out = []
+    c = smallest
+    while c < max_model_len:
+        out.append(c)
+        c *= 2
+    return out + [max_model_len]
+
+
+def smallest_fit(buckets: list[int], n: int) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    batch: int
+    context: int
+
+
+def decode_metadata(table: BlockTable, rows: torch.Tensor, positions: torch.Tensor, context: int,
+                    block_size: int) -> AttentionMetadata:
+    """Metadata of a padded decode batch, from device tensors only (so it can be captured).
+
+    Row ``i`` decodes the token at ``positions[i]`` of the request in block-table row
+    ``rows[i]``; padding rows point at the table's pad row (the scratch block) and position 0."""
+    b = rows.shape[0]
+    block_table = table.gather(rows, -(-context // block_size))
+    seqlens = (positions + 1).int()
+    cu_k = torch.zeros(b + 1, dtype=torch.int32, device=rows.device)
+    cu_k[1:] = torch.cumsum(seqlens, 0)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=rows.device)
+    blocks = block_table.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    slots = blocks.long() * block_size + positions % block_size
+    return AttentionMetadata(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlens_k=seqlens, block_table=block_table,
+                             slot_mapping=slots, max_seqlen_q=1, max_seqlen_k=context, num_decodes=b,
+                             query_lens=[1] * b, kv_lens=[context] * b, decode_groups=[(0, b, context)],
+                             num_gathered=b)
+
+
+class DecodeGraphs:
+    def __init__(self, model, backend: AttentionBackend, kv_caches: list, table: BlockTable, block_size: int,
+                 max_num_seqs: int, max_model_len: int, vocab_size: int, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.table = table
+        self.block_size = block_size
+        self.batches = batch_buckets(max_num_seqs)
+        self.contexts = context_buckets(max_model_len) if backend.graph_context_buckets else [max_model_len]
+        top = self.batches[-1]
+        self._inputs = torch.zeros(3, top, dtype=torch.int64, device=device)  # ids, positions, table rows
+        self._inputs[2] = table.pad_row
+        self._sample_all = torch.arange(top, device=device)
+        self._logits = torch.empty(top, vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+
+    @property
+    def keys(self) -> list[GraphKey]:
+        return [GraphKey(b, c) for b in self.batches for c in self.contexts]
+
+    def key_for(self, chunks) -> GraphKey | None:
+        """The bucket a decode-only step fits, else None (it runs eagerly)."""
+        if not chunks or any(c.num_tokens != 1 for c in chunks):
+            return None
+        batch = smallest_fit(self.batches, len(chunks))
+        context = smallest_fit(self.contexts, max(c.start for c in chunks) + 1)
+        return None if batch is None or context is None else GraphKey(batch, context)
+
+    def run(self, chunks, key: GraphKey) -> torch.Tensor:
+        """Logits ``[len(chunks), vocab]`` of a decode step that fits ``key``, rows in chunk order."""
+        rows = self.table.update(chunks, self.block_size)
+        pad = key.batch - len(chunks)
+        host = torch.tensor([[c.token_ids[0] for c in chunks] + [0] * pad, [c.start for c in chunks] + [0] * pad,
+                             rows + [self.table.pad_row] * pad], dtype=torch.int64)
+        self._inputs[:, :key.batch].copy_(host, non_blocking=True)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(key)
+        return self._logits[:len(chunks)]
+
+    def _forward(self, key: GraphKey) -> None:
+        ids, positions, rows = self._inputs[:, :key.batch]
+        meta = decode_metadata(self.table, rows, positions, key.context, self.block_size)
+        self.backend.plan(meta)
+        logits = self.model(ids, positions, self.kv_caches, meta, self._sample_all[:key.batch])
+        self._logits[:key.batch].copy_(logits)
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first so later graphs reuse the shared pool's memory."""
+        started = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        pool = None
+        for key in sorted(self.keys, reverse=True):
+            self._inputs[0, :key.batch] = 0
+            self._inputs[1, :key.batch] = 0
+            self._inputs[2, :key.batch] = self.table.pad_row
+            self._forward(key)  # warm-up: lazy library set-up must not happen inside a capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(key)
+            pool = graph.pool()
+            self._graphs[key] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode graphs (batches %s, contexts %s) in %.1f s, pool %.0f MiB",
+                    len(self._graphs), self.batches, self.contexts, time.perf_counter() - started,
+                    (torch.cuda.memory_reserved() - before) / 2**20)

@@ -1,0 +1,49 @@
+"""Every attention backend's real kernels on CUDA equal dense attention (the torch reference's
+semantics) at block sizes 16 and 256: decodes, first prefill chunks, chunks after a cached
+prefix, GQA and MQA. A backend whose kernel is absent, or whose block-size rule excludes
+the case, skips with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_attention import needs_backend, run_contract
+
+pytestmark = pytest.mark.gpu
+HEAD_DIM = 64
+SHAPES = pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+BLOCKS = pytest.mark.parametrize("block_size", [16, 256])
+
+
+@SHAPES
+@BLOCKS
+@pytest.mark.parametrize("name", ["varlen", "flash", "fa3"])
+def test_flash_kernels_match_dense_attention(name, block_size, heads, kv_heads):
+    needs_backend(name, torch.bfloat16, block_size, HEAD_DIM)
+    run_contract(name, torch.device("cuda"), block_size, torch.bfloat16, 2e-2, heads, kv_heads, HEAD_DIM)
+
+
+@SHAPES
+@BLOCKS
+def test_varlen_backend_without_gqa_or_pages_matches_dense_attention(block_size, heads, kv_heads):
+    """The path an older torch takes (K/V heads repeated, context gathered), on this torch's kernel."""
+    needs_backend("varlen", torch.bfloat16, block_size, HEAD_DIM)
+    from engine.attention.varlen import VarlenAttentionBackend, torch_varlen_kernel
+
+    kernel = torch_varlen_kernel()
+
+    def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+              window_size=(-1, -1)):
+        return kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    backend = VarlenAttentionBackend(heads, kv_heads, HEAD_DIM, block_size, kernel=older)
+    assert not backend.paged
+    run_contract(backend, torch.device("cuda"), block_size, torch.bfloat16, 2e-2, heads, kv_heads, HEAD_DIM)
+
+
+@SHAPES
+@BLOCKS
+def test_torch_backend_on_cuda_matches_dense_attention(block_size, heads, kv_heads):
+    needs_backend("torch", torch.float32, block_size, HEAD_DIM)
+    run_contract("torch", torch.device("cuda"), block_size, torch.float32, 1e-4, heads, kv_heads, HEAD_DIM)
