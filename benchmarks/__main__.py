@@ -140,7 +140,7 @@ def run(args, spec: WorkloadSpec, model_dir: Path, model_label: str, argv: list[
         "command": "python -m benchmarks " + " ".join(argv), "settings": settings.as_dict(),
         "environment": {**environment(threads, load_at_start), **_device_info(settings, model_dir)},
         "systems": systems, "ratios": table,
-        "targets": judge_targets(spec.name, table, profile_out, bound), "profile": profile_out,
+        "targets": judge_targets(spec.name, table, profile_out, bound, args.quick), "profile": profile_out,
     }
     results["plots"] = write_plots(results, out_dir)
     results["elapsed_s"] = time.perf_counter() - started

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.autoscale_load import (Clients, Monitor, calls_across, generate_calls, policy_decisions,
+from benchmarks.autoscale_load import (Clients, Monitor, calls_across, engine_calls, policy_decisions,
                                        replica_start, replica_stop_times, serve_log_dir)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -107,11 +107,12 @@ def start(app: dict, num_cpus: int | None):
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from deployments.app import build_app
+    from deployments.app import SERVE_ENV, build_app
     from deployments.grpc_registration import SERVICER_FUNCTIONS
     from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, short-lived cluster
+    os.environ.update(SERVE_ENV)
     # The controller imports the policy (router.autoscale) by name; workers inherit the path.
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
@@ -167,7 +168,7 @@ def figures(obs: dict, max_tokens: int) -> dict:
     decisions = policy_decisions(logs)
     up = next((d for d in decisions if d.t >= m["step"] and d.desired > d.current), None)
     down = next((d for d in decisions if d.t >= m["drop"] and d.desired < d.current), None)
-    new_calls = generate_calls(logs, "slotserve", m["second"])
+    new_calls = engine_calls(logs, "slotserve", m["second"])
     stopping, stopped = replica_stop_times(logs, m["second"])
     draining = calls_across(new_calls, stopping) if stopping else []
     start = replica_start(logs, m["second"]) or (None, None)

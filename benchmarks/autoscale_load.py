@@ -27,7 +27,9 @@ _STOPPING = re.compile(_TS + r" .*? -- Stopping Replica\(id='([^']+)', deploymen
 _STOPPED = re.compile(_TS + r" .*? -- Replica\(id='([^']+)', deployment='([^']+)', app='[^']*'\) is stopped")
 _STARTED = re.compile(r" -- Replica\(id='([^']+)', deployment='[^']+', app='[^']*'\) started successfully .*?"
                       r"after ([\d.]+)s .*?took ([\d.]+)s")
-_CALL = re.compile(_TS + r" \S+ (\S+) \S+ -- CALL generate (\w+) ([\d.]+)ms")
+# A request reaches an engine replica as a stream of its own (generate) or, with deployments.mux,
+# as a submit whose outputs go out on its ingress's subscription to that replica.
+_CALL = re.compile(_TS + r" \S+ (\S+) \S+ -- CALL (?:generate|submit|subscribe) (\w+) ([\d.]+)ms")
 
 
 def _wall(ts: str) -> float:
@@ -308,8 +310,9 @@ def replica_start(log_dir: Path, replica_id: str) -> tuple[float, float] | None:
     return None
 
 
-def generate_calls(log_dir: Path, app: str, replica_id: str) -> list[tuple[float, float, str]]:
-    """(start, end, status) of every ``generate`` stream the replica served (Serve's access log)."""
+def engine_calls(log_dir: Path, app: str, replica_id: str) -> list[tuple[float, float, str]]:
+    """(start, end, status) of every request call (generate, submit) and subscription the replica
+    served (Serve's access log); not stats or model_info."""
     calls = []
     for path in log_dir.glob(f"replica_{app}_{ENGINE_DEPLOYMENT}_{replica_id}*.log"):
         for line in path.read_text(errors="replace").splitlines():

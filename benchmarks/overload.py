@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.served_system import per_process
 from benchmarks.overload_load import (SoakPlan, app_args, capacity, idle, phase_figures, served, soak,
                                       where_requests_are)
 
@@ -161,21 +162,7 @@ def _model_dir(args, scratch: Path) -> str:
 
 def rss_by_process() -> dict[str, int]:
     """RSS of this process and its descendants, summed per kind (Ray names its workers ``ray::Class``)."""
-    import psutil
-
-    me = psutil.Process()
-    totals: dict[str, int] = {}
-    for proc in [me, *me.children(recursive=True)]:
-        try:
-            cmd, rss = proc.cmdline(), proc.memory_info().rss
-        except psutil.Error:  # gone between listing and reading
-            continue
-        if cmd and cmd[0].startswith("ray::"):  # the title carries the running method: drop it
-            label = cmd[0].split(" ")[0].split(".")[0]
-        else:
-            label = next((Path(a).name for a in cmd[1:] if a.endswith(".py")), Path(cmd[0]).name if cmd else "?")
-        totals[label] = totals.get(label, 0) + rss
-    return totals
+    return per_process(lambda proc: proc.memory_info().rss)
 
 
 def rss_growth(before: dict[str, int], after: dict[str, int], top: int = 5) -> list[list]:

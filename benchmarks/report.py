@@ -32,7 +32,9 @@ PROFILE_TARGET_RUNNING = 32
 PROFILE_TARGET_MAX_OUTSIDE = 0.10
 # The served application against the in-process engine on the same workload.
 SERVED = "served"
-SERVED_MIN_THROUGHPUT_SHARE = 0.85
+# A tiny model (--quick) stands in for a fast GPU engine: a step costs little, so the serving
+# path's per-message costs weigh far more than with a real model.
+SERVED_MIN_THROUGHPUT_SHARE = {"model": 0.9, "quick": 0.5}
 SERVED_MAX_ADDED_TTFT_S = 0.005
 # The same prefill runs 10-20 % faster or slower from one fresh process to the next here, so
 # an in-process TTFT above this many times the target hides a difference of the target's size.
@@ -76,17 +78,18 @@ def peak_rss(system: dict) -> int | None:
     return (system.get("notes") or {}).get("peak_rss_tree_bytes") or system.get("peak_rss_bytes")
 
 
-def _served_targets(ratio_table: dict) -> list[dict]:
+def _served_targets(ratio_table: dict, quick: bool) -> list[dict]:
     served = ratio_table.get(SERVED)
     share = (served or {}).get("throughput_share")
-    entry = {"target": f"served >= {SERVED_MIN_THROUGHPUT_SHARE:g}x continuous output tok/s",
-             "minimum": SERVED_MIN_THROUGHPUT_SHARE, "value": share}
+    minimum = SERVED_MIN_THROUGHPUT_SHARE["quick" if quick else "model"]
+    entry = {"target": f"served >= {minimum:g}x continuous output tok/s{' (tiny model)' if quick else ''}",
+             "minimum": minimum, "value": share}
     if share is None:
         entry.update(status="n/a", detail=f"{SERVED} and {BASELINE} were not both run")
     else:
-        margin = share / SERVED_MIN_THROUGHPUT_SHARE - 1.0
+        margin = share / minimum - 1.0
         entry.update(status="reached" if margin >= 0 else "missed", margin=margin,
-                     detail=f"{share:.2f}x vs {SERVED_MIN_THROUGHPUT_SHARE:g}x: "
+                     detail=f"{share:.2f}x vs {minimum:g}x: "
                             f"{'above' if margin >= 0 else 'short'} by {abs(margin):.0%}")
     probe = (served or {}).get("added_ttft_s") or {}
     added, engine = probe.get("p50"), (probe.get("engine_ttft_s") or {}).get("p50")
@@ -107,7 +110,8 @@ def _served_targets(ratio_table: dict) -> list[dict]:
     return [entry, ttft]
 
 
-def judge_targets(workload: str, ratio_table: dict, profile: dict | None, bound: dict | None = None) -> list[dict]:
+def judge_targets(workload: str, ratio_table: dict, profile: dict | None, bound: dict | None = None,
+                  quick: bool = False) -> list[dict]:
     """Every target, reached or missed and by how much (not applicable ones say why).
 
     Against static batching the schedule bound says what batching alone can win on this
@@ -142,7 +146,7 @@ def judge_targets(workload: str, ratio_table: dict, profile: dict | None, bound:
                      detail=f"{value:.1%} vs {PROFILE_TARGET_MAX_OUTSIDE:.0%}: "
                             f"{'under' if points >= 0 else 'over'} by {abs(points):.1f} points")
     judged.append(entry)
-    return judged + _served_targets(ratio_table)
+    return judged + _served_targets(ratio_table, quick)
 
 
 def _cpu_model() -> str:
@@ -286,6 +290,10 @@ def served_lines(systems: dict) -> list[str]:
         lines.append(f"served: for scale, one bare Serve streaming call (do-nothing replica, one item) takes "
                      f"p50 {floor['p50'] * 1e3:.1f} ms, p90 {floor['p90'] * 1e3:.1f} ms here; "
                      "the served path makes two such hops plus gRPC")
+    cpu = notes.get("cpu_by_process")
+    if cpu:
+        top = ", ".join(f"{name} {c['cpu_us_per_token']:.0f}" for name, c in list(cpu.items())[:6])
+        lines.append(f"served: CPU per output token in the timed run, µs by process: {top}")
     if notes.get("peak_rss_tree_bytes"):
         lines.append(f"served: peak RSS is the client plus all {notes.get('processes_at_peak_rss')} Ray processes "
                      f"(client alone {fmt_num(s.get('peak_rss_bytes'), '.0f', 1 / 2**20)} MB)")

@@ -84,6 +84,41 @@ def with_tokenizer(model_dir: str, scratch: Path) -> str:
     return str(dst)
 
 
+def process_label(cmdline: list[str]) -> str:
+    """A process's kind: Ray titles its workers ``ray::Class`` (plus the running method, dropped)."""
+    if cmdline and cmdline[0].startswith("ray::"):
+        return cmdline[0].split(" ")[0].split(".")[0]
+    return next((Path(a).name for a in cmdline[1:] if a.endswith(".py")),
+                Path(cmdline[0]).name if cmdline else "?")
+
+
+def per_process(read: Callable) -> dict[str, float]:
+    """``read(process)`` summed per kind over this process and its descendants."""
+    import psutil
+
+    me = psutil.Process()
+    totals: dict[str, float] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            label, value = process_label(proc.cmdline()), read(proc)
+        except psutil.Error:  # gone between listing and reading
+            continue
+        totals[label] = totals.get(label, 0) + value
+    return totals
+
+
+def cpu_seconds(proc) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def cpu_by_process(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, dict]:
+    """CPU each kind of process spent between two ``per_process(cpu_seconds)`` readings, per token."""
+    spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return {k: {"cpu_s": round(v, 3), "cpu_us_per_token": round(1e6 * v / max(tokens, 1), 1)}
+            for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.005}
+
+
 class TreeRss:
     """Largest summed RSS of this process and its descendants (Ray's processes), sampled.
 
@@ -157,8 +192,10 @@ class ServedApp:
         from deployments.app import build_app
         from deployments.grpc_registration import SERVICER_FUNCTIONS
 
+        from deployments.app import SERVE_ENV
+
         start = time.perf_counter()
-        os.environ["RAY_AUTH_MODE"] = "disabled"
+        os.environ.update({"RAY_AUTH_MODE": "disabled", **SERVE_ENV})  # Ray's processes inherit it
         ray.init(num_cpus=self.settings.threads + 1, include_dashboard=False, log_to_driver=False)
         try:
             self.http_port, self.grpc_port = free_port(), free_port()
@@ -177,7 +214,7 @@ class ServedApp:
         """Until the readiness probe (an engine replica reports healthy) answers SERVING."""
         import grpc
 
-        from deployments.proto_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + READY_TIMEOUT_S
         last: object = "not serving yet"
@@ -280,9 +317,9 @@ def run_served(requests: list[BenchRequest], settings: BenchSettings,
         with TreeRss() as rss, ServedApp(model_dir, settings) as app:
             vocab_size = _vocab_size(model_dir)
             run_streams(app.target, warmup_requests(vocab_size))
-            before = app.engine_stats()
+            before, cpu_before = app.engine_stats(), per_process(cpu_seconds)
             traces, makespan, occupancy = run_streams(app.target, requests, progress, sample_occupancy=True)
-            after = app.engine_stats()
+            cpu_after, after = per_process(cpu_seconds), app.engine_stats()
             served_ttft = served_probe_ttft(app.target, vocab_size)
             handle_ttft = app.handle_probe_ttft(vocab_size)
             floor = app.serve_call_floor()
@@ -300,6 +337,8 @@ def run_served(requests: list[BenchRequest], settings: BenchSettings,
         notes={"steps": _delta(after, before, "num_steps"), "kv_blocks_total": after.get("kv_blocks_total"),
                "block_size": after.get("block_size"), "added_ttft_s": added,
                "serve_call_floor_s": floor,
+               "cpu_by_process": cpu_by_process(cpu_before, cpu_after,
+                                                _delta(after, before, "num_generated_tokens")),
                "peak_rss_tree_bytes": rss.peak_bytes, "processes_at_peak_rss": rss.processes_at_peak,
                "startup_s": startup_s, "transport": "gRPC (grpc.aio client, one channel) -> Serve proxy -> "
                                                    "Router ingress -> EngineReplica (1 replica)"})

@@ -26,6 +26,13 @@ from deployments.replica import ServeEngineReplica
 from deployments.tp_launcher import NOSET_VISIBLE_DEVICES
 
 INGRESS_DEPLOYMENT = "Router"
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+"""Environment of every Ray process serving the app (``serve`` CLI, Helm chart, tests, benchmarks).
+Serve runs a replica's methods on a second event loop thread by default, so user code that
+blocks cannot stall Serve's own loop; ours never blocks (the engine steps on its own thread,
+long prompts are tokenized on a worker thread), and the hand-off between the two loops costs
+CPU on every streamed message. Set for the whole cluster, not per deployment: a runtime_env
+would cost every replica start a few seconds."""
 
 
 def frontend_config(cfg: AppConfig) -> FrontendConfig:
@@ -103,6 +110,13 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
     return options
 
 
+def multiplexed(cfg: AppConfig) -> bool:
+    """Whether ingresses read engine replicas over one stream each (deployments.mux): it needs the
+    slot-aware router (a subscription names its replica) and a scaling signal other than Serve's
+    ongoing-request count, which then sees one call per ingress, not one per request."""
+    return cfg.routing == "slot_aware" and (cfg.autoscaling is None or cfg.autoscaling.policy != "default")
+
+
 def build_app(args: Mapping[str, Any] | None = None) -> Application:
     cfg = AppConfig.from_args(args)
     engine = serve.deployment(ServeEngineReplica, **engine_deployment_options(cfg)).bind(
@@ -114,4 +128,4 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
                                max_ongoing_requests=cfg.ingress.max_ongoing_requests,
                                graceful_shutdown_timeout_s=cfg.drain_timeout_s + 10.0,
                                graceful_shutdown_wait_loop_s=0.5)
-    return ingress.bind(engine, frontend_config(cfg), cfg.max_body_bytes)
+    return ingress.bind(engine, frontend_config(cfg), cfg.max_body_bytes, multiplexed(cfg))

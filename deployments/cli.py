@@ -133,6 +133,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if http.get(key) and not Path(http[key]).is_file():
             raise ValueError(f"http_options.{key}: {http[key]} is not a file")
     http_options, grpc_serve_options = HTTPOptions(**http), gRPCOptions(**grpc_options)
+    from deployments.app import SERVE_ENV
+
+    for key, value in SERVE_ENV.items():  # the local cluster's processes inherit it
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=args.num_cpus, include_dashboard=args.dashboard, _metrics_export_port=args.metrics_port)
     try:
         serve.start(http_options=http_options, grpc_options=grpc_serve_options)

@@ -3,13 +3,17 @@
 ``EngineClient`` is the contract; the ingress implements it over a Ray Serve
 ``DeploymentHandle`` (``ingress.HandleEngineClient``) and ``LocalEngineClient`` over
 in-process ``EngineReplica`` objects, which is how the frontend, the gRPC service and
-the OpenAI API are tested without Ray.
+the OpenAI API are tested without Ray. Both are also ``deployments.mux`` transports: the
+ingress wraps its client in ``MuxEngineClient`` (one stream per replica, not per request).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import AsyncIterator, Protocol, Sequence
+
+from router.policy import ROUTING_NOTE
 
 
 class EngineStream(Protocol):
@@ -67,13 +71,33 @@ class LocalEngineClient:
         self._replicas = list(replicas)
         self._next = itertools.cycle(self._replicas)
 
-    def generate(self, request: dict) -> EngineStream:
+    def _pick(self, request: dict):
+        request[ROUTING_NOTE] = {"reason": "round_robin", "time_ns": time.time_ns()}  # as the slot-aware router notes
         # Serve stops routing to a replica whose health check fails; so does this.
         for _ in range(len(self._replicas)):
             replica = next(self._next)
             if replica.healthy():
-                return _LocalStream(replica, request)
-        return _LocalStream(replica, request)  # none healthy: its error reaches the caller
+                return replica
+        return replica  # none healthy: its error reaches the caller
+
+    def generate(self, request: dict) -> EngineStream:
+        return _LocalStream(self._pick(request), request)
+
+    # -- deployments.mux transport
+
+    async def submit(self, request: dict) -> str:
+        replica = self._pick(request)
+        await replica.submit(request)
+        return replica.replica_id
+
+    def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list]:
+        return self._by_id(replica_id).subscribe({"ingress_id": ingress_id})
+
+    async def abort_on(self, request_id: str, replica_id: str) -> bool:
+        return self._by_id(replica_id).abort(request_id)
+
+    def _by_id(self, replica_id: str):
+        return next(r for r in self._replicas if r.replica_id == replica_id)
 
     async def abort(self, request_id: str) -> bool:
         return any([replica.abort(request_id) for replica in self._replicas])

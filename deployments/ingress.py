@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.grpc_service import SlotServeGrpcMixin
+from deployments.mux import MuxEngineClient
 from deployments.openai_api import build_openai_app
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,17 @@ class HandleEngineClient:
                 logger.info("abort on replica %s failed: %s", rid, exc)
         return False
 
+    # -- deployments.mux transport: one subscription per engine replica, pinned by the router
+
+    async def submit(self, request: dict) -> str:
+        return await self._handle.submit.remote(request)
+
+    def subscribe(self, replica_id: str, ingress_id: str):
+        return self._handle.options(stream=True).subscribe.remote({"ingress_id": ingress_id, "replica_id": replica_id})
+
+    async def abort_on(self, request_id: str, replica_id: str) -> bool:
+        return await self._handle.abort.remote({"request_id": request_id, "replica_id": replica_id})
+
     def _replica_actors(self) -> list[tuple[str, object]]:
         import ray
 
@@ -107,13 +119,20 @@ class HandleEngineClient:
 
 @serve.ingress()
 class RouterIngress(SlotServeGrpcMixin):
-    def __init__(self, engine: DeploymentHandle, frontend_config: FrontendConfig, max_body_bytes: int) -> None:
+    def __init__(self, engine: DeploymentHandle, frontend_config: FrontendConfig, max_body_bytes: int,
+                 multiplex: bool = True) -> None:
+        """``multiplex``: one stream per engine replica (deployments.mux); it needs the slot-aware
+        router, which honours the replica a call names. Off: one Serve stream per request."""
         from engine.models_hub import resolve_model
         from engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(resolve_model(frontend_config.model))
         app_name = serve.get_replica_context().app_name
-        self.frontend = Frontend(frontend_config, tokenizer, HandleEngineClient(engine, app_name))
+        client = HandleEngineClient(engine, app_name)
+        if multiplex:
+            from router.inflight import request_finished
+            client = MuxEngineClient(client, on_done=request_finished)
+        self.frontend = Frontend(frontend_config, tokenizer, client)
         self._max_body_bytes = max_body_bytes
 
     def __serve_build_asgi_app__(self):

@@ -11,7 +11,10 @@ in-process with a fake engine (tests/fake_engine.py). What Serve calls on it:
   the autoscaler (router.autoscale).
 - ``check_health()``: raises when the engine loop is dead or stuck; Serve replaces us.
 - Prometheus metrics (deployments.metrics): gauges and counters from the engine's stats on a
-  periodic task, each request's latencies when its stream ends; none in the step loop.
+  periodic task, each request's latencies when its stream ends; none in the step loop. On a
+  GPU, which GPUs it holds and how much of their memory (deployments.nvml).
+- Traces (deployments.tracing): each request's routing and engine spans, built from the
+  engine's audit trail when the request ends; the last message carries that trail too.
 - ``__del__`` (ServeEngineReplica): stop taking requests, drain running ones for up to
   ``drain_timeout_s``, then shut the engine down.
 """
@@ -26,8 +29,11 @@ import time
 from typing import Any, AsyncIterator
 
 from deployments.metrics import EngineMetrics, Recorder, recorder_for
+from deployments.mux import ReplicaHub
+from deployments.nvml import GpuMonitor
+from deployments.tracing import Tracing
 from engine.errors import EngineDeadError
-from engine.outputs import StreamOutput
+from engine.outputs import StreamOutput, audit_records
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +55,14 @@ def import_engine_class(spec: str | type) -> type:
 
 
 def stream_message(out: StreamOutput) -> dict:
-    """The wire form of one engine message: small, plain, token ids only."""
-    return {"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
-            "logprobs": out.new_logprobs, "num_prompt_tokens": out.num_prompt_tokens,
-            "num_output_tokens": out.num_output_tokens, "num_cached_tokens": out.num_cached_tokens}
+    """The wire form of one engine message: small, plain, token ids only; the last one also
+    carries the request's scheduling audit trail (``engine.outputs.audit_records``)."""
+    message = {"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
+               "logprobs": out.new_logprobs, "num_prompt_tokens": out.num_prompt_tokens,
+               "num_output_tokens": out.num_output_tokens, "num_cached_tokens": out.num_cached_tokens}
+    if out.finished and out.timing is not None:
+        message["audit"] = audit_records(out.timing)
+    return message
 
 
 def _replica_id() -> str:
@@ -66,9 +76,11 @@ def _replica_id() -> str:
 class EngineReplica:
     def __init__(self, model: str, engine_options: dict[str, Any] | None = None,
                  engine_class: str | type = DEFAULT_ENGINE_CLASS, drain_timeout_s: float = 30.0,
-                 model_name: str | None = None, metrics: Recorder | None = None) -> None:
+                 model_name: str | None = None, metrics: Recorder | None = None,
+                 tracing: Tracing | None = None) -> None:
         """``model_name``: the served name, the metrics' ``model_name`` label (default ``model``);
-        ``metrics``: where they go (default: Ray's metrics in a Ray worker, else nowhere)."""
+        ``metrics``: where they go (default: Ray's metrics in a Ray worker, else nowhere);
+        ``tracing``: where spans go (default: as the ``OTEL_*`` environment variables say)."""
         if not isinstance(drain_timeout_s, (int, float)) or drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be a non-negative number, got {drain_timeout_s!r}")
         self._model = model
@@ -82,19 +94,30 @@ class EngineReplica:
         self._active: set[str] = set()
         self.replica_id = _replica_id()
         self._shutdown_done = False
-        self._metrics = EngineMetrics(metrics if metrics is not None else recorder_for(model_name or model))
+        self._model_name = model_name or model
+        self._metrics = EngineMetrics(metrics if metrics is not None else recorder_for(self._model_name))
         self._metrics_task: asyncio.Task | None = None
         self._metrics_failed = False
+        self._gpus = GpuMonitor.open() if self._metrics.enabled else None
+        self._own_tracing = tracing is None  # flushed at shutdown; a given one belongs to its giver
+        self.tracing = tracing if tracing is not None else Tracing.from_env()
         self._start_metrics_loop()  # Serve builds replicas on their event loop; else on the first request
+        self._hub = ReplicaHub(self.generate)
 
     @property
     def engine(self):
         return self._engine
 
+    @property
+    def metrics(self) -> EngineMetrics:
+        """What this replica records; ``metrics.recorder`` (like ``tracing``) may be swapped at run time."""
+        return self._metrics
+
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Stream one request (``PreparedRequest.engine_request()``) through the engine."""
         if not self._accepting:
             raise EngineDeadError("this replica is shutting down and takes no new requests")
+        received_ns = time.time_ns()
         rid = request["request_id"]
         stream = self._engine.generate(request["prompt_token_ids"], request["params"], request_id=rid,
                                        priority=request.get("priority", 0),
@@ -103,13 +126,16 @@ class EngineReplica:
         self._start_metrics_loop()
         request_metrics = self._metrics.request()
         finished = False
+        last: StreamOutput | None = None
         try:
             async for out in stream:
+                last = out
                 request_metrics.on_message(out)
                 finished = out.finished
                 if finished:  # done here, even if the consumer never asks for more
                     self._active.discard(rid)
                     request_metrics.on_end(out)
+                    self._trace(request, out, received_ns)
                 yield stream_message(out)
                 if finished:
                     break
@@ -123,6 +149,28 @@ class EngineReplica:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if not finished:
+                self._trace(request, last, received_ns)
+
+    def _trace(self, request: dict, last: StreamOutput | None, received_ns: int) -> None:
+        if not self.tracing.enabled:
+            return
+        try:
+            self.tracing.record_engine_request(request, last, self.replica_id, self._model_name, received_ns)
+        except Exception:  # noqa: BLE001 - a span must never fail a request
+            logger.exception("tracing request %s failed", request.get("request_id"))
+
+    async def submit(self, request: dict) -> str:
+        """Start a request whose messages go to its ingress's subscription (deployments.mux)."""
+        if not self._accepting:
+            raise EngineDeadError("this replica is shutting down and takes no new requests")
+        self._hub.submit(request)
+        return self.replica_id
+
+    async def subscribe(self, request: dict) -> AsyncIterator[list]:
+        """Batches of ``(request_id, message, error)`` for one ingress's requests: one per engine step."""
+        async for batch in self._hub.subscribe(request["ingress_id"]):
+            yield batch
 
     def abort(self, request: str | dict) -> bool:
         """Abort by server request id (or ``{"request_id": ...}``, the form a pinned handle call
@@ -175,7 +223,10 @@ class EngineReplica:
 
     def publish_metrics(self) -> None:
         """Gauges and counter deltas from the engine's stats snapshot, and its per-step token counts."""
-        self._metrics.record_stats(self._engine.stats(), self._engine.drain_step_tokens())
+        stats = self._engine.stats()
+        self._metrics.record_stats(stats, self._engine.drain_step_tokens())
+        if self._gpus is not None:
+            self._gpus.record(self._metrics.recorder, stats.weights_bytes + stats.kv_cache_bytes)
 
     def _start_metrics_loop(self) -> None:
         if self._metrics_task is not None or not self._metrics.enabled or self._shutdown_done:
@@ -220,7 +271,12 @@ class EngineReplica:
             deadline = time.monotonic() + ABORT_GRACE_S
             while self._active and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
+        self._hub.close()
         self._engine.shutdown()
+        if self._own_tracing:
+            self.tracing.shutdown()
+        if self._gpus is not None:
+            self._gpus.close()
 
 
 class ServeEngineReplica(EngineReplica):

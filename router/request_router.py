@@ -19,7 +19,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.kv.hashing import prefix_routing_keys
-from router.policy import ROUTING_DECISIONS_METRIC, ReplicaLoad, RouterSettings, rank_replicas
+from router.inflight import take_finished
+from router.policy import ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ReplicaLoad, RouterSettings, rank_replicas
 
 logger = logging.getLogger("ray.serve")
 
@@ -71,6 +72,14 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int]:
         return []
     ids = request.get("prompt_token_ids")
     return ids if isinstance(ids, (list, tuple)) else []
+
+
+def note_decision(pending_request: PendingRequest | None, reason: str) -> None:
+    """Tell the chosen replica why (its trace's routing span): Serve serializes the arguments only
+    after the choice, so the note travels with the request. A re-routed request gets a new note."""
+    request = _request_dict(pending_request)
+    if isinstance(request, dict):
+        request[ROUTING_NOTE] = {"reason": reason, "time_ns": time.time_ns()}
 
 
 class SlotAwareRequestRouter(RequestRouter):
@@ -132,6 +141,7 @@ class SlotAwareRequestRouter(RequestRouter):
                                 prompt_len=len(prompt), load_slack=self._settings.load_slack)
         if prompt:  # a generate call (not stats / model_info)
             self._record_decision(ranking.reason)
+            note_decision(pending_request, ranking.reason)
         if ranking.saturated and now - self._last_saturation_log > _SATURATION_LOG_PERIOD_S:
             self._last_saturation_log = now
             logger.info("All %d replicas of %s are full; requests queue in the engines.",
@@ -152,7 +162,12 @@ class SlotAwareRequestRouter(RequestRouter):
         # Only generate calls take a slot: counting a burst of model_info or stats calls would make
         # a replica look full and send every request of the next burst elsewhere.
         if prompt_token_ids(pending_request):
-            self._sent.setdefault(replica_id, {})[pending_request.metadata.internal_request_id] = time.time()
+            key = pending_request.metadata.internal_request_id
+            if getattr(pending_request.metadata, "call_method", None) == "submit":
+                # A submit (deployments.mux) returns at once while its request runs on: counted
+                # until its stream ends here (router.inflight) or the replica's stats include it.
+                key = _request_dict(pending_request).get("request_id", key)
+            self._sent.setdefault(replica_id, {})[key] = time.time()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         sent = self._sent.get(replica_id)
@@ -178,9 +193,11 @@ class SlotAwareRequestRouter(RequestRouter):
         sent = self._sent.get(replica.replica_id)
         if not sent or not load.known:
             return load
-        # Requests sent well before the stats were taken are in them already; forget those. The
-        # grace covers the trip to the replica, during which a request is in no stats.
-        for request_id in [k for k, t in sent.items() if t <= load.updated_at - _TRANSIT_GRACE_S]:
+        # Requests sent well before the stats were taken are in them already, and finished ones
+        # in no load at all; forget those. The grace covers the trip to the replica, during which
+        # a request is in no stats.
+        for request_id in [k for k, t in sent.items()
+                           if t <= load.updated_at - _TRANSIT_GRACE_S or take_finished(k)]:
             del sent[request_id]
         return load.with_extra_running(len(sent))
 

@@ -37,10 +37,10 @@ def served_app(app_args: dict[str, Any], *, env: dict[str, str] | None = None,
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from deployments.app import build_app
+    from deployments.app import SERVE_ENV, build_app
     from deployments.grpc_registration import SERVICER_FUNCTIONS
 
-    env = {"RAY_AUTH_MODE": "disabled", **(env or {})}
+    env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **(env or {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from benchmarks.autoscale import format_table, plot
-from benchmarks.autoscale_load import (Outcome, calls_across, generate_calls, policy_decisions, replica_start,
+from benchmarks.autoscale_load import (Outcome, calls_across, engine_calls, policy_decisions, replica_start,
                                        replica_stop_times)
 
 CONTROLLER = """\
@@ -25,6 +25,8 @@ INFO 2026-11-22 01:26:01,000 slotserve_EngineReplica bbb r1 -- CALL generate OK 
 INFO 2026-11-22 01:26:09,000 slotserve_EngineReplica bbb r2 -- CALL generate OK 3000.0ms
 INFO 2026-11-22 01:26:10,000 slotserve_EngineReplica bbb r3 -- CALL model_info OK 3.0ms
 INFO 2026-11-22 01:26:12,000 slotserve_EngineReplica bbb r4 -- CALL generate ERROR 4500.0ms
+INFO 2026-11-22 01:26:12,100 slotserve_EngineReplica bbb r5 -- CALL submit OK 1.0ms
+INFO 2026-11-22 01:26:13,000 slotserve_EngineReplica bbb r6 -- CALL subscribe OK 6000.0ms
 """
 
 
@@ -41,10 +43,11 @@ def test_serve_log_lines_are_read(tmp_path):
     assert replica_start(tmp_path, "bbb") == (6.9, 3.1) and replica_start(tmp_path, "zzz") is None
     stopping, stopped = replica_stop_times(tmp_path, "bbb")
     assert (stopping, stopped) == (_t("2026-11-22 01:26:08,000"), _t("2026-11-22 01:26:12,500"))
-    calls = generate_calls(tmp_path, "slotserve", "bbb")
-    assert [c[2] for c in calls] == ["OK", "OK", "ERROR"]  # model_info is not a stream
-    # r1 ended before the stop; r2 (started 01:26:06) and r4 (started 01:26:07.5) spanned it.
-    assert [c[2] for c in calls_across(calls, stopping)] == ["OK", "ERROR"]
+    calls = engine_calls(tmp_path, "slotserve", "bbb")
+    assert [c[2] for c in calls] == ["OK", "OK", "OK", "ERROR", "OK"]  # by start; model_info is not a request
+    # r1 ended before the stop; r2 (started 01:26:06), r4 (started 01:26:07.5) and the
+    # subscription r6 (started 01:26:07) spanned it.
+    assert [c[2] for c in calls_across(calls, stopping)] == ["OK", "OK", "ERROR"]
 
 
 def test_outcome_is_complete_only_with_every_token():

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.autoscale_load import (Clients, Monitor, calls_across, generate_calls, policy_decisions,
+from benchmarks.autoscale_load import (Clients, Monitor, calls_across, engine_calls, policy_decisions,
                                        replica_stop_times, serve_log_dir)
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
@@ -124,7 +124,7 @@ def test_load_step_scales_up_and_scale_down_loses_no_request(cluster):
     stopping, stopped = wait_until(lambda: (replica_stop_times(logs, stopped_id)[1] is not None
                                             and replica_stop_times(logs, stopped_id)), f"{stopped_id} stopped", 60)
     # Streams the stopping replica was serving when told to stop: counted from its access log.
-    draining = calls_across(generate_calls(logs, APP, stopped_id), stopping)
+    draining = calls_across(engine_calls(logs, APP, stopped_id), stopping)
     outcomes = clients.outcomes + long_clients.outcomes
     print(f"\nscale-up: 2 RUNNING {up.t - t0:.1f} s, new replica serving {serving.t - t0:.1f} s after the step; "
           f"back to 1 {down.t - t1:.1f} s after the long streams started; {len(draining)} streams in flight on "

@@ -149,19 +149,24 @@ def test_served_targets_judge_throughput_share_and_added_ttft():
         notes = {"added_ttft_s": {"p50": added_p50, "p90": added_p50 * 2, "engine_ttft_s": {"p50": engine_p50}}}
         return {**_fake(tok_s, 0.1, 1.0), "notes": notes}
 
-    def judged(tok_s, added_p50, engine_p50=0.002):
+    def judged(tok_s, added_p50, engine_p50=0.002, quick=False):
         table = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served": served(tok_s, added_p50, engine_p50)})
-        return table, judge_targets("uniform", table, None)[-2:]
+        return table, judge_targets("uniform", table, None, quick=quick)[-2:]
 
     table, (share, ttft) = judged(90.0, 0.004)
     assert table["served"]["throughput_share"] == pytest.approx(0.9)
     assert table["served"]["output_tokens_per_s"] == pytest.approx(100 / 90)
     assert (share["status"], ttft["status"]) == ("reached", "reached")
-    assert share["margin"] == pytest.approx(0.9 / 0.85 - 1)
+    assert share["margin"] == pytest.approx(0.0)
     assert "4.0 ms vs 5 ms: under by 1.0 ms (p90 8.0 ms)" in ttft["detail"]
     _, (share, ttft) = judged(80.0, 0.0065)
     assert (share["status"], ttft["status"]) == ("missed", "missed")
-    assert "short by 6%" in share["detail"] and "over by 1.5 ms" in ttft["detail"]
+    assert "short by 11%" in share["detail"] and "over by 1.5 ms" in ttft["detail"]
+    # The tiny model (--quick) stands in for a fast GPU engine: judged against 0.5x.
+    _, (share, _) = judged(45.0, 0.004, quick=True)
+    assert share["status"] == "missed" and "0.45x vs 0.5x" in share["detail"]
+    _, (share, _) = judged(55.0, 0.004, quick=True)
+    assert share["status"] == "reached" and share["target"].endswith("(tiny model)")
     # An engine TTFT of 150 ms drifts by more than 5 ms between processes: no verdict.
     _, (_, ttft) = judged(90.0, 0.0065, engine_p50=0.150)
     assert ttft["status"] == "n/a" and "not resolvable" in ttft["detail"]

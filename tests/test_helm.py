@@ -150,6 +150,17 @@ def test_pods_are_locked_down_and_sized(name, rendered):
         assert template["spec"]["containers"][0]["image"].startswith("slotserve:0.1.0-")
 
 
+@pytest.mark.parametrize("name", CI_NAMES)
+def test_every_ray_container_has_the_serve_environment(name, rendered):
+    """deployments.app.SERVE_ENV, which the CLI, tests and benchmarks also start Ray with."""
+    from deployments.app import SERVE_ENV
+
+    rs = the(documents(rendered[name]), "RayService")
+    for group, template in pod_templates(rs).items():
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0].get("env", [])}
+        assert SERVE_ENV.items() <= env.items(), (group, env)
+
+
 def _bytes(quantity) -> float:
     number, unit = re.fullmatch(r"([0-9.]+)([KMGT]i?)?", str(quantity)).groups()
     scale = {None: 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}

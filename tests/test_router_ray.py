@@ -62,7 +62,7 @@ def _stats(running, prefix=(), updated_at=None):
             "healthy": True, "updated_at": time.time() if updated_at is None else updated_at}
 
 
-def _choose(router, replicas, args, request_id="q"):
+def _choose(router, replicas, args, request_id="q", call_method="generate"):
     """(ranked replica ids, the PendingRequest) for one call of choose_replicas."""
     import asyncio
     from types import SimpleNamespace
@@ -70,7 +70,8 @@ def _choose(router, replicas, args, request_id="q"):
     from ray.serve.request_router import PendingRequest
 
     async def choose():
-        pending = PendingRequest(args=args, kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id))
+        pending = PendingRequest(args=args, kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id,
+                                                                                call_method=call_method))
         ranks = await router.choose_replicas(replicas, pending)
         return [[r.replica_id for r in rank] for rank in ranks], pending
 
@@ -116,6 +117,26 @@ def test_adapter_spreads_a_burst_within_one_stats_period():
     replicas[1].routing_stats = _stats(10, updated_at=time.time() + _TRANSIT_GRACE_S)
     running = {r.replica_id: router._load_of(r).running for r in replicas}
     assert running == {"r0": 0, "r1": 10, "r2": 10}
+
+
+def test_submitted_requests_count_until_their_streams_end():
+    """deployments.mux: a submit call ends at once; its request is load until the ingress's stream ends."""
+    from types import SimpleNamespace
+
+    from router.inflight import request_finished
+
+    router = _router()
+    replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=_stats(0, updated_at=time.time() - 0.1))
+                for i in range(2)]
+    for i in range(4):
+        request = {"prompt_token_ids": OTHER_PROMPT, "request_id": f"mux-{i}"}
+        ranks, pending = _choose(router, replicas, [request], request_id=f"call{i}", call_method="submit")
+        router.on_request_routed(pending, ranks[0][0], None)
+        router.on_request_completed(ranks[0][0], f"call{i}")  # the submit call returned
+    assert [router._load_of(r).running for r in replicas] == [2, 2]
+    for i in range(4):
+        request_finished(f"mux-{i}")
+    assert [router._load_of(r).running for r in replicas] == [0, 0]
 
 
 def test_calls_without_a_prompt_take_no_slot():

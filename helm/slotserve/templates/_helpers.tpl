@@ -116,3 +116,13 @@ time, so streams get their full D. The pod's grace period adds 15 s for Ray to e
 {{- end }}
 {{- toJson $groups }}
 {{- end }}
+
+{{/*
+Environment of every Ray container: deployments.app.SERVE_ENV (Serve runs the replicas' methods on
+its own event loop; they never block, and the hand-off to a second loop costs CPU per streamed
+message). tests/test_helm.py checks the two agree.
+*/}}
+{{- define "slotserve.serveEnv" -}}
+- name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+  value: "0"
+{{- end }}

@@ -129,6 +129,7 @@ exec:
           env:
             - name: SLOTSERVE_CACHE
               value: {{ printf "%s/models" $v.modelCache.mountPath | quote }}
+            {{- include "slotserve.serveEnv" $root | nindent 12 }}
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}

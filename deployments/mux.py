@@ -1,0 +1,314 @@
+"""One engine stream per (ingress, engine replica) instead of one per request.
+
+A Ray Serve streaming message costs about a millisecond of CPU in the process that sends
+it and in the one that receives it, whatever it carries; one stream per request makes
+that cost per token and per request. Here an ingress submits each request with a short
+unary call (routed by the slot-aware router like any request) and reads the outputs of
+all its requests on that replica from one long-lived subscription, one batch per engine
+step: a replica with 64 running requests sends one message per step, not 64.
+
+``ReplicaHub`` is the replica's side (plain asyncio, no Ray: tested in-process); the
+ingress's side is ``MuxEngineClient`` over a ``MuxTransport`` (Serve handles in
+``deployments.ingress``, in-process replicas in tests). A stream looks exactly like the
+one-call-per-request stream to the frontend: messages, the last one finished, errors
+raised where they happened (a replica that dies raises in every stream it was serving,
+which the frontend resumes elsewhere).
+
+A subscription ends by itself once its ingress has had no request on the replica for
+``IDLE_END_S``: Serve waits for a replica's calls to end before stopping it, so a
+subscription that never ended would hold every scale-down for Serve's whole grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+from deployments.errors import Unavailable
+
+logger = logging.getLogger(__name__)
+
+IDLE_END_S = 1.0
+"""A subscription with no request of its ingress for this long ends (the next submit reopens it)."""
+ORPHAN_S = 10.0
+"""Requests whose ingress has not subscribed for this long are aborted (the ingress went away)."""
+
+Item = tuple  # (request_id, message dict or None, exception or None)
+
+
+class _Channel:
+    """One ingress's outputs on this replica, buffered until its subscription reads them."""
+
+    def __init__(self) -> None:
+        self.items: list[Item] = []
+        self.ready = asyncio.Event()
+        self.pumps: dict[str, asyncio.Task] = {}
+        self.subscriber: object | None = None  # the open subscription, if any
+        self.last_seen = time.monotonic()  # last time a subscription read or a request arrived
+
+    def push(self, item: Item) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+
+class ReplicaHub:
+    """The engine replica's side: runs submitted requests, batches their outputs per ingress.
+
+    ``start(request)`` is the replica's per-request stream (``EngineReplica.generate``):
+    an async iterator of wire messages whose closing aborts the request; each submitted
+    request is pumped from it into its ingress's channel.
+    """
+
+    def __init__(self, start: Callable[[dict], AsyncIterator[dict]]) -> None:
+        self._start = start
+        self._channels: dict[str, _Channel] = {}
+        self._reaper: asyncio.Task | None = None
+
+    def submit(self, request: dict) -> None:
+        ingress = request["ingress_id"]
+        channel = self._channels.get(ingress)
+        if channel is None:
+            channel = self._channels[ingress] = _Channel()
+        channel.last_seen = time.monotonic()
+        rid = request["request_id"]
+        channel.pumps[rid] = asyncio.get_running_loop().create_task(self._pump(channel, rid, request))
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_orphans())
+
+    async def _pump(self, channel: _Channel, rid: str, request: dict) -> None:
+        stream = self._start(request)
+        try:
+            async for message in stream:
+                channel.push((rid, message, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the request's own error, raised in its stream
+            channel.push((rid, None, exc))
+        finally:
+            channel.pumps.pop(rid, None)
+            await stream.aclose()  # a cancelled pump aborts its engine request here
+
+    async def subscribe(self, ingress_id: str) -> AsyncIterator[list[Item]]:
+        """Batches of ``(request_id, message, error)``: everything since the previous batch.
+
+        A new subscription of the same ingress takes over from an older one still open
+        (a cancelled call can end here after its ingress has already asked again)."""
+        channel = self._channels.get(ingress_id)
+        if channel is None:
+            channel = self._channels[ingress_id] = _Channel()
+        me = object()
+        channel.subscriber = me
+        channel.ready.set()  # an older subscription wakes up and sees it is replaced
+        try:
+            while channel.subscriber is me:
+                if not channel.items:
+                    if not channel.pumps:
+                        try:  # idle: wait a little for new requests, then end (see the module doc)
+                            await asyncio.wait_for(channel.ready.wait(), IDLE_END_S)
+                        except (asyncio.TimeoutError, TimeoutError):
+                            if not channel.pumps and not channel.items:
+                                return
+                    else:
+                        await channel.ready.wait()
+                channel.ready.clear()
+                if channel.items and channel.subscriber is me:
+                    batch, channel.items = channel.items, []
+                    channel.last_seen = time.monotonic()
+                    yield batch
+        except (GeneratorExit, asyncio.CancelledError):
+            if channel.subscriber is me:  # the ingress went away: its requests here have no reader
+                for task in list(channel.pumps.values()):
+                    task.cancel()
+            raise
+        finally:
+            if channel.subscriber is me:
+                channel.subscriber = None
+                channel.last_seen = time.monotonic()
+                if not channel.pumps and not channel.items and self._channels.get(ingress_id) is channel:
+                    del self._channels[ingress_id]
+
+    async def _reap_orphans(self) -> None:
+        while True:
+            await asyncio.sleep(ORPHAN_S / 4)
+            now = time.monotonic()
+            for ingress, channel in list(self._channels.items()):
+                if channel.subscriber is not None or now - channel.last_seen < ORPHAN_S:
+                    continue
+                if channel.pumps:
+                    logger.warning("ingress %s has not read its %d streams for %.0f s: aborting them",
+                                   ingress, len(channel.pumps), ORPHAN_S)
+                for task in list(channel.pumps.values()):
+                    task.cancel()
+                del self._channels[ingress]
+
+    def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+
+
+class MuxTransport(Protocol):
+    """How an ingress reaches engine replicas (Serve handles, or in-process replicas), with the
+    rest of ``engine_client.EngineClient`` (``model_info``, ``replica_loads``)."""
+
+    async def submit(self, request: dict) -> str:
+        """Start ``request`` on the replica the router picks; that replica's id."""
+
+    def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list[Item]]: ...
+
+    async def abort_on(self, request_id: str, replica_id: str) -> bool:
+        """Abort a request on the replica running it."""
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it runs (every replica is asked)."""
+
+
+class _MuxStream:
+    """One request's messages, fed by its replica's subscription (``EngineStream`` contract)."""
+
+    def __init__(self, client: "MuxEngineClient", request: dict) -> None:
+        self._client = client
+        self._request = request
+        self.request_id = request["request_id"]
+        self.replica_id: str | None = None
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._started = False
+        self._done = False
+        self.abort_wanted = False
+        self._pending_error: BaseException | None = None
+
+    def __aiter__(self) -> "_MuxStream":
+        return self
+
+    async def __anext__(self) -> dict:
+        if self._done:
+            raise StopAsyncIteration
+        if not self._started:
+            self._started = True
+            self._client._start(self)
+        if self._pending_error is not None:
+            message, error = None, self._pending_error
+        else:
+            message, error = await self.queue.get()
+        while error is None and message.get("finish_reason") is None and not self.queue.empty():
+            # Behind: hand over everything that came, as one message (one hop less per step missed).
+            later, later_error = self.queue.get_nowait()
+            if later_error is not None:  # raised on the next call, after these tokens
+                self._pending_error = later_error
+                break
+            message = merge_messages(message, later)
+        if error is not None or message.get("finish_reason") is not None:
+            self._done = True
+            self._client._forget(self)
+        if error is not None:
+            raise error
+        return message
+
+    def abort(self) -> None:
+        self.abort_wanted = True
+        if self.replica_id is not None and not self._done:
+            self._client._spawn(self._client.transport.abort_on(self.request_id, self.replica_id))
+        # else: still submitting; the abort goes out once the replica is known (MuxEngineClient._submit)
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self.abort()
+            self._done = True
+            self._client._forget(self)
+
+
+def merge_messages(first: dict, later: dict) -> dict:
+    """Two consecutive engine messages of one request as one: tokens (and logprobs) joined,
+    everything else (counts, finish reason) as of the later one."""
+    merged = {**later, "token_ids": list(first["token_ids"]) + list(later["token_ids"])}
+    if first.get("logprobs") is not None or later.get("logprobs") is not None:
+        merged["logprobs"] = list(first.get("logprobs") or ()) + list(later.get("logprobs") or ())
+    return merged
+
+
+class MuxEngineClient:
+    """``generate`` over per-replica subscriptions; the other ``EngineClient`` calls pass through."""
+
+    def __init__(self, transport: MuxTransport, on_done: Callable[[str], None] | None = None) -> None:
+        """``transport`` also serves ``model_info``, ``replica_loads`` and ``abort`` (an EngineClient);
+        ``on_done(request_id)``: a stream ended (the router stops counting it as load)."""
+        self.transport = transport
+        self._on_done = on_done
+        self.ingress_id = uuid.uuid4().hex
+        self._streams: dict[str, _MuxStream] = {}
+        self._subscriptions: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def generate(self, request: dict) -> _MuxStream:
+        return _MuxStream(self, {**request, "ingress_id": self.ingress_id})
+
+    def _start(self, stream: _MuxStream) -> None:
+        # Registered before submitting, and not waiting for the submit's reply: the first token
+        # often comes on an open subscription before the reply does.
+        self._streams[stream.request_id] = stream
+        self._spawn(self._submit(stream))
+
+    async def _submit(self, stream: _MuxStream) -> None:
+        try:
+            replica_id = await self.transport.submit(stream._request)
+        except Exception as exc:  # noqa: BLE001 - refused or no replica: the stream raises it
+            stream.queue.put_nowait((None, exc))
+            return
+        stream.replica_id = replica_id
+        if stream.abort_wanted:  # aborted or closed while submitting
+            await self.transport.abort_on(stream.request_id, replica_id)
+            return
+        if replica_id not in self._subscriptions:
+            self._subscriptions[replica_id] = self._spawn(self._read(replica_id))
+
+    async def _read(self, replica_id: str, reopened: bool = False) -> None:
+        error: BaseException | None = None
+        delivered = False
+        try:
+            async for batch in self.transport.subscribe(replica_id, self.ingress_id):
+                delivered = True
+                for rid, message, exc in batch:
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.queue.put_nowait((message, exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the replica went away: every stream it served hears it
+            error = exc
+        finally:
+            self._subscriptions.pop(replica_id, None)
+        # The replica ended an idle subscription while requests were being submitted: read again,
+        # once; a second empty end means it has nothing for them (they are lost there).
+        orphans = [s for s in self._streams.values() if s.replica_id == replica_id and not s._done]
+        if error is None and orphans and (delivered or not reopened):
+            self._subscriptions[replica_id] = self._spawn(self._read(replica_id, reopened=True))
+            return
+        for stream in orphans:
+            stream.queue.put_nowait((None, error or Unavailable(f"engine replica {replica_id} has no stream "
+                                                                "for this request any more")))
+
+    def _forget(self, stream: _MuxStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            if self._on_done is not None:
+                self._on_done(stream.request_id)
+
+    def _spawn(self, coro: Awaitable) -> asyncio.Task:
+        # A fresh context: Serve's request context would tie this call to the request that
+        # happened to start it (Serve indexes in-flight calls by the request they serve).
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def model_info(self) -> dict:
+        return await self.transport.model_info()
+
+    async def replica_loads(self) -> list[dict]:
+        return await self.transport.replica_loads()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.transport.abort(request_id)

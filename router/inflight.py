@@ -1,0 +1,30 @@
+"""Requests an ingress has submitted and seen finish, for the routers of its process.
+
+With deployments.mux a submit call ends as soon as its request starts, so the router cannot
+tell from Serve's callbacks when the request stops taking a slot; the ingress says so here.
+A module of its own on purpose: Serve ships the router class to each process pickled by
+value (with a private copy of its module's globals), while this module is imported by
+reference, so the ingress and the routers in its process share it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+KEPT = 4096
+"""Newest ids kept: a router forgets a request once its replica's stats include it anyway."""
+
+# Written by the ingress's event loop, read by the router's: single OrderedDict calls are atomic.
+_finished: "OrderedDict[str, None]" = OrderedDict()
+
+
+def request_finished(request_id: str) -> None:
+    """A submitted request's stream ended here: it takes no slot any more."""
+    _finished[request_id] = None
+    while len(_finished) > KEPT:
+        _finished.popitem(last=False)
+
+
+def take_finished(request_id: str) -> bool:
+    """Whether ``request_id`` finished (then forgotten here)."""
+    return _finished.pop(request_id, False) is None

@@ -1,0 +1,267 @@
+"""deployments.mux: one subscription per (ingress, replica) carrying every request's messages.
+
+In-process: EngineReplica over the fake engine, LocalEngineClient as the transport. The
+Ray transport is exercised by the end-to-end tests (test_serving_e2e, test_fault_e2e).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments import mux
+from deployments.engine_client import LocalEngineClient
+from deployments.errors import Unavailable
+from deployments.mux import MuxEngineClient, merge_messages
+from deployments.replica import EngineReplica
+from engine.errors import EngineDeadError
+from engine.sampling import SamplingParams
+from tests.fake_engine import FakeAsyncEngine
+from tests.serving_helpers import run, wait_idle, wait_load
+from tests.waits import async_wait_until
+
+
+LONG = 2000  # tokens: runs for seconds, until the test ends it
+
+
+def _replicas(n=1, **options):
+    options = {"vocab_size": 256, "eos_token_id": 10**6, "max_num_seqs": 8, "max_waiting": 8,
+               "step_delay_s": 0.002, **options}
+    return [EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=5) for _ in range(n)]
+
+
+def _request(i: int, max_tokens: int = 12) -> dict:
+    return {"request_id": f"r{i}", "prompt_token_ids": [1 + i, 2, 3],
+            "params": SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)}
+
+
+async def _tokens(stream) -> tuple[list[int], list[dict]]:
+    messages = [m async for m in stream]
+    return [t for m in messages for t in m["token_ids"]], messages
+
+
+class CountingTransport:
+    """LocalEngineClient, counting the batches each subscription delivers."""
+
+    def __init__(self, client: LocalEngineClient) -> None:
+        self.client = client
+        self.batches: list[int] = []
+        self.subscriptions = 0
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def subscribe(self, replica_id, ingress_id):
+        self.subscriptions += 1
+        async for batch in self.client.subscribe(replica_id, ingress_id):
+            self.batches.append(len(batch))
+            yield batch
+
+
+def test_many_streams_share_one_subscription_and_get_their_own_tokens():
+    async def main():
+        reps = _replicas()
+        plain = LocalEngineClient(reps)
+        want = [(await _tokens(plain.generate(_request(i))))[0] for i in range(8)]
+        transport = CountingTransport(LocalEngineClient(reps))
+        client = MuxEngineClient(transport)
+        got = await asyncio.gather(*(_tokens(client.generate(_request(i))) for i in range(8)))
+        assert [tokens for tokens, _ in got] == want
+        assert all(messages[-1]["finish_reason"] == "length" for _, messages in got)
+        assert transport.subscriptions == 1
+        # 8 requests x 12 tokens in far fewer batches than messages: one per engine step
+        assert len(transport.batches) < sum(len(messages) for _, messages in got)
+        assert max(transport.batches) > 1
+        await wait_idle(reps)
+    run(main())
+
+
+def test_closing_a_stream_aborts_its_request_and_frees_the_slot():
+    async def main():
+        reps = _replicas()
+        client = MuxEngineClient(LocalEngineClient(reps))
+        stream = client.generate(_request(0, max_tokens=LONG))
+        first = await stream.__anext__()
+        assert first["token_ids"]
+        await wait_load(reps[0], 1)
+        await stream.aclose()
+        await wait_idle(reps)
+    run(main())
+
+
+def test_abort_while_submitting_reaches_the_replica_once_it_is_known():
+    async def main():
+        reps = _replicas()
+        local = LocalEngineClient(reps)
+        gate = asyncio.Event()
+
+        class SlowSubmit(CountingTransport):
+            async def submit(self, request):
+                replica_id = await self.client.submit(request)
+                await gate.wait()  # the reply is late: the stream is closed before it arrives
+                return replica_id
+
+        client = MuxEngineClient(SlowSubmit(local))
+        stream = client.generate(_request(0, max_tokens=LONG))
+        pending = asyncio.ensure_future(stream.__anext__())
+        await wait_load(reps[0], 1)  # running on the replica, reply not back yet
+        pending.cancel()
+        await stream.aclose()
+        gate.set()
+        await wait_idle(reps)
+    run(main())
+
+
+def test_a_dead_engine_raises_in_every_stream_it_served():
+    async def main():
+        reps = _replicas()
+        client = MuxEngineClient(LocalEngineClient(reps))
+        streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(3)]
+        for s in streams:
+            await s.__anext__()
+        reps[0].engine.kill("boom")
+        for s in streams:
+            with pytest.raises(EngineDeadError):
+                async for _ in s:
+                    pass
+    run(main())
+
+
+def test_a_lost_subscription_raises_its_error_in_every_open_stream():
+    async def main():
+        reps = _replicas()
+        local = LocalEngineClient(reps)
+
+        class Breaks(CountingTransport):
+            async def subscribe(self, replica_id, ingress_id):
+                async for batch in self.client.subscribe(replica_id, ingress_id):
+                    yield batch
+                    raise ConnectionError("replica actor died")
+
+        client = MuxEngineClient(Breaks(local))
+        streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(2)]
+        for s in streams:
+            with pytest.raises(ConnectionError):
+                async for _ in s:
+                    pass
+        await wait_idle(reps)  # the replica saw its subscription go and aborted them
+    run(main())
+
+
+def test_subscription_ends_when_idle_and_reopens_for_the_next_request(monkeypatch):
+    monkeypatch.setattr(mux, "IDLE_END_S", 0.05)
+
+    async def main():
+        reps = _replicas()
+        transport = CountingTransport(LocalEngineClient(reps))
+        client = MuxEngineClient(transport)
+        first, _ = await _tokens(client.generate(_request(0)))
+        await async_wait_until(lambda: not client._subscriptions, "the idle subscription ended")
+        second, _ = await _tokens(client.generate(_request(0)))
+        assert first == second and transport.subscriptions == 2
+    run(main())
+
+
+def test_requests_of_an_ingress_that_never_subscribes_are_aborted(monkeypatch):
+    monkeypatch.setattr(mux, "ORPHAN_S", 0.2)
+
+    async def main():
+        reps = _replicas()
+        await reps[0].submit({**_request(0, max_tokens=LONG), "ingress_id": "gone"})
+        await wait_load(reps[0], 1)
+        await wait_idle(reps)
+    run(main())
+
+
+def test_a_subscription_that_ends_under_open_streams_is_reopened_and_its_failure_raised():
+    async def main():
+        reps = _replicas()
+
+        class EndsEarly(CountingTransport):
+            async def subscribe(self, replica_id, ingress_id):
+                self.subscriptions += 1
+                if self.subscriptions > 1:
+                    raise ConnectionError("replica gone")
+                return
+                yield  # an async generator that ends at once
+
+        client = MuxEngineClient(EndsEarly(LocalEngineClient(reps)))
+        with pytest.raises(ConnectionError):
+            await _tokens(client.generate(_request(0, max_tokens=LONG)))
+    run(main())
+
+
+def test_merged_messages_keep_every_token_and_the_latest_counts():
+    a = {"token_ids": [1, 2], "logprobs": None, "finish_reason": None, "num_output_tokens": 2}
+    b = {"token_ids": [3], "logprobs": None, "finish_reason": "length", "num_output_tokens": 3}
+    assert merge_messages(a, b) == {"token_ids": [1, 2, 3], "logprobs": None, "finish_reason": "length",
+                                    "num_output_tokens": 3}
+    la, lb = {**a, "logprobs": [{1: -0.1}, {2: -0.2}]}, {**b, "logprobs": [{3: -0.3}]}
+    assert merge_messages(la, lb)["logprobs"] == [{1: -0.1}, {2: -0.2}, {3: -0.3}]
+
+
+def test_a_stream_behind_gets_queued_messages_as_one_and_an_error_after_them():
+    async def main():
+        client = MuxEngineClient(LocalEngineClient(_replicas()))
+        stream = client.generate(_request(0))
+        stream._started = True  # fed by hand below
+        client._streams[stream.request_id] = stream
+        for i in range(3):
+            stream.queue.put_nowait(({"token_ids": [i], "logprobs": None, "finish_reason": None}, None))
+        stream.queue.put_nowait((None, Unavailable("replica gone")))
+        assert (await stream.__anext__())["token_ids"] == [0, 1, 2]
+        with pytest.raises(Unavailable):
+            await stream.__anext__()
+    run(main())
+
+
+def test_streams_a_replica_no_longer_knows_are_unavailable():
+    async def main():
+        class Empty(CountingTransport):
+            async def subscribe(self, replica_id, ingress_id):
+                self.subscriptions += 1
+                return
+                yield  # ends at once, every time: the replica has nothing for this ingress
+
+        transport = Empty(LocalEngineClient(_replicas()))
+        client = MuxEngineClient(transport)
+        with pytest.raises(Unavailable):
+            await _tokens(client.generate(_request(0, max_tokens=LONG)))
+        assert transport.subscriptions == 2
+    run(main())
+
+
+def test_a_second_subscription_of_an_ingress_takes_over_from_the_first():
+    async def main():
+        reps = _replicas()
+        old = reps[0].subscribe({"ingress_id": "i"})
+        old_next = asyncio.ensure_future(old.__anext__())
+        hub = reps[0]._hub
+        await async_wait_until(lambda: "i" in hub._channels and hub._channels["i"].subscriber, "first subscribed")
+        await reps[0].submit({**_request(0), "ingress_id": "i"})
+        new = reps[0].subscribe({"ingress_id": "i"})
+        tokens = []
+        async for batch in new:
+            tokens += [t for _, message, _ in batch for t in message["token_ids"]]
+            if any(message["finish_reason"] for _, message, _ in batch):
+                break
+        await new.aclose()
+        with pytest.raises(StopAsyncIteration):  # replaced: ends without taking the new one's messages
+            await old_next
+        assert len(tokens) == 12
+        await wait_idle(reps)
+    run(main())
+
+
+@pytest.mark.parametrize("args, want", [
+    ({}, True),
+    ({"routing": "default"}, False),  # Serve's router ignores the replica a subscription names
+    ({"autoscaling": {"max_replicas": 2, "policy": "default"}}, False),  # would see one call per ingress
+    ({"autoscaling": {"max_replicas": 2}}, True),
+])
+def test_ingresses_multiplex_only_where_routing_and_scaling_allow(args, want):
+    from deployments.app import multiplexed
+    from deployments.app_config import AppConfig
+
+    assert multiplexed(AppConfig.from_args({"model": "m", **args})) is want
