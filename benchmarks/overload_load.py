@@ -91,8 +91,9 @@ def served(app: dict, num_cpus: int | None) -> Iterator[object]:
     from ray import serve
 
     from benchmarks.autoscale import start
+    from deployments.app import SERVE_ENV
 
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "PYTHONPATH")}
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "PYTHONPATH", *SERVE_ENV)}
     channel = None
     try:
         _, stub, channel = start(app, num_cpus)
