@@ -24,6 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
+from unittest import mock
 
 from benchmarks.autoscale_load import Clients, Outcome
 from benchmarks.metrics import percentiles
@@ -85,30 +86,23 @@ def app_args(model_dir: str, replicas: int, slots: int, max_waiting: int, max_to
 
 @contextlib.contextmanager
 def served(app: dict, num_cpus: int | None) -> Iterator[object]:
-    """A local Ray + Serve running ``app`` (``autoscale.start``); yields the gRPC stub. The
-    environment ``start`` changes is put back afterwards (tests share the process)."""
+    """A local Ray + Serve running ``app`` (``autoscale.start``); yields the gRPC stub."""
     import ray
     from ray import serve
 
     from benchmarks.autoscale import start
-    from deployments.app import SERVE_ENV
 
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "PYTHONPATH", *SERVE_ENV)}
     channel = None
-    try:
-        _, stub, channel = start(app, num_cpus)
-        yield stub
-    finally:
-        if channel is not None:
-            channel.close()
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with mock.patch.dict(os.environ):  # put back what ``start`` sets: tests share the process
+        try:
+            _, stub, channel = start(app, num_cpus)
+            yield stub
+        finally:
+            if channel is not None:
+                channel.close()
+            if ray.is_initialized():
+                serve.shutdown()
+                ray.shutdown()
 
 
 def load_report(stub):

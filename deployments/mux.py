@@ -69,15 +69,18 @@ class ReplicaHub:
         self._reaper: asyncio.Task | None = None
 
     def submit(self, request: dict) -> None:
-        ingress = request["ingress_id"]
-        channel = self._channels.get(ingress)
-        if channel is None:
-            channel = self._channels[ingress] = _Channel()
+        channel = self._channel(request["ingress_id"])
         channel.last_seen = time.monotonic()
         rid = request["request_id"]
         channel.pumps[rid] = asyncio.get_running_loop().create_task(self._pump(channel, rid, request))
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_orphans())
+
+    def _channel(self, ingress_id: str) -> _Channel:
+        channel = self._channels.get(ingress_id)
+        if channel is None:
+            channel = self._channels[ingress_id] = _Channel()
+        return channel
 
     async def _pump(self, channel: _Channel, rid: str, request: dict) -> None:
         stream = self._start(request)
@@ -97,9 +100,7 @@ class ReplicaHub:
 
         A new subscription of the same ingress takes over from an older one still open
         (a cancelled call can end here after its ingress has already asked again)."""
-        channel = self._channels.get(ingress_id)
-        if channel is None:
-            channel = self._channels[ingress_id] = _Channel()
+        channel = self._channel(ingress_id)
         me = object()
         channel.subscriber = me
         channel.ready.set()  # an older subscription wakes up and sees it is replaced

@@ -11,6 +11,7 @@ import os
 import socket
 from dataclasses import dataclass
 from typing import Any, Iterator
+from unittest import mock
 
 APP = "slotserve"
 
@@ -40,22 +41,15 @@ def served_app(app_args: dict[str, Any], *, env: dict[str, str] | None = None,
     from deployments.app import SERVE_ENV, build_app
     from deployments.grpc_registration import SERVICER_FUNCTIONS
 
-    env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **(env or {})}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        ray.init(**{"num_cpus": 2, "include_dashboard": False, **ray_init})
-        ports = Ports(free_port(), free_port())
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=ports.http, **(http_options or {})),
-                    grpc_options=gRPCOptions(port=ports.grpc, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
-        serve.run(build_app(app_args), name=APP, route_prefix="/")
-        yield ports
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with mock.patch.dict(os.environ, {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **(env or {})}):
+        try:
+            ray.init(**{"num_cpus": 2, "include_dashboard": False, **ray_init})
+            ports = Ports(free_port(), free_port())
+            serve.start(http_options=HTTPOptions(host="127.0.0.1", port=ports.http, **(http_options or {})),
+                        grpc_options=gRPCOptions(port=ports.grpc, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
+            serve.run(build_app(app_args), name=APP, route_prefix="/")
+            yield ports
+        finally:
+            if ray.is_initialized():
+                serve.shutdown()
+                ray.shutdown()
