@@ -142,6 +142,10 @@ class SlotAwareRequestRouter(RequestRouter):
         if prompt:  # a generate call (not stats / model_info)
             self._record_decision(ranking.reason)
             note_decision(pending_request, ranking.reason)
+            if ranking.ranks and len(ranking.ranks[0]) == 1:
+                # Counted on the first choice now: Serve reports the routing only after the replica
+                # accepted (a round trip), and its other routing tasks choose meanwhile.
+                self._count_sent(pending_request, ranking.ranks[0][0])
         if ranking.saturated and now - self._last_saturation_log > _SATURATION_LOG_PERIOD_S:
             self._last_saturation_log = now
             logger.info("All %d replicas of %s are full; requests queue in the engines.",
@@ -162,12 +166,19 @@ class SlotAwareRequestRouter(RequestRouter):
         # Only generate calls take a slot: counting a burst of model_info or stats calls would make
         # a replica look full and send every request of the next burst elsewhere.
         if prompt_token_ids(pending_request):
-            key = pending_request.metadata.internal_request_id
-            if getattr(pending_request.metadata, "call_method", None) == "submit":
-                # A submit (deployments.mux) returns at once while its request runs on: counted
-                # until its stream ends here (router.inflight) or the replica's stats include it.
-                key = _request_dict(pending_request).get("request_id", key)
-            self._sent.setdefault(replica_id, {})[key] = time.time()
+            self._count_sent(pending_request, replica_id)
+
+    def _count_sent(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        """Count the request on ``replica_id`` (and on no other: the first choice may have refused it)."""
+        key = pending_request.metadata.internal_request_id
+        if getattr(pending_request.metadata, "call_method", None) == "submit":
+            # A submit (deployments.mux) returns at once while its request runs on: counted
+            # until its stream ends here (router.inflight) or the replica's stats include it.
+            key = _request_dict(pending_request).get("request_id", key)
+        for other, sent in self._sent.items():
+            if other != replica_id:
+                sent.pop(key, None)
+        self._sent.setdefault(replica_id, {})[key] = time.time()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         sent = self._sent.get(replica_id)

@@ -119,6 +119,24 @@ def test_adapter_spreads_a_burst_within_one_stats_period():
     assert running == {"r0": 0, "r1": 10, "r2": 10}
 
 
+def test_a_choice_counts_before_serve_reports_the_routing():
+    """Serve calls on_request_routed only after the replica accepted; its other routing tasks choose
+    meanwhile and must see the requests already chosen, or a burst piles onto one replica."""
+    from types import SimpleNamespace
+
+    router = _router()
+    replicas = [SimpleNamespace(replica_id="r0", routing_stats=_stats(0, updated_at=time.time() - 0.1)),
+                SimpleNamespace(replica_id="r1", routing_stats=_stats(1, updated_at=time.time() - 0.1))]
+    chosen = [_choose(router, replicas, [{"prompt_token_ids": OTHER_PROMPT}], request_id=f"q{i}")
+              for i in range(6)]
+    running = [router._load_of(r).running for r in replicas]
+    assert sum(running) == 7 and abs(running[0] - running[1]) <= 1, running
+    # A request its first choice refused counts where it went instead, once.
+    ranks, pending = next((ranks, pending) for ranks, pending in chosen if ranks[0][0] == "r0")
+    router.on_request_routed(pending, "r1", None)
+    assert [router._load_of(r).running for r in replicas] == [running[0] - 1, running[1] + 1]
+
+
 def test_submitted_requests_count_until_their_streams_end():
     """deployments.mux: a submit call ends at once; its request is load until the ingress's stream ends."""
     from types import SimpleNamespace
