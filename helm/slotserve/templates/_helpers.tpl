@@ -119,10 +119,13 @@ time, so streams get their full D. The pod's grace period adds 15 s for Ray to e
 
 {{/*
 Environment of every Ray container: deployments.app.SERVE_ENV (Serve runs the replicas' methods on
-its own event loop; they never block, and the hand-off to a second loop costs CPU per streamed
-message). tests/test_helm.py checks the two agree.
+its own event loop: they never block, and the hand-off to a second loop costs CPU per streamed
+message; proxy and handles reach replicas over Serve's gRPC data plane, cheaper per message than
+Ray actor calls). tests/test_helm.py checks the two agree.
 */}}
 {{- define "slotserve.serveEnv" -}}
 - name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
   value: "0"
+- name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: "1"
 {{- end }}
