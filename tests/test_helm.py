@@ -161,6 +161,15 @@ def test_every_ray_container_has_the_serve_environment(name, rendered):
         assert SERVE_ENV.items() <= env.items(), (group, env)
 
 
+@pytest.mark.parametrize("name", CI_NAMES)
+def test_every_ray_container_knows_its_node(name, rendered):
+    """NODE_NAME from the downward API: the GPU info metric's node label (deployments.nvml)."""
+    rs = the(documents(rendered[name]), "RayService")
+    for group, template in pod_templates(rs).items():
+        env = {e["name"]: e for e in template["spec"]["containers"][0].get("env", [])}
+        assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}, group
+
+
 def _bytes(quantity) -> float:
     number, unit = re.fullmatch(r"([0-9.]+)([KMGT]i?)?", str(quantity)).groups()
     scale = {None: 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}

@@ -123,6 +123,17 @@ its own event loop: they never block, and the hand-off to a second loop costs CP
 message; proxy and handles reach replicas over Serve's gRPC data plane, cheaper per message than
 Ray actor calls). tests/test_helm.py checks the two agree.
 */}}
+{{/*
+The Kubernetes node a pod runs on, for the replicas' GPU info metric (its `node` label matches
+DCGM's Hostname; deployments/nvml.py).
+*/}}
+{{- define "slotserve.nodeEnv" -}}
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+{{- end }}
+
 {{- define "slotserve.serveEnv" -}}
 - name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
   value: "0"

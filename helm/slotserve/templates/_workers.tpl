@@ -130,6 +130,7 @@ exec:
             - name: SLOTSERVE_CACHE
               value: {{ printf "%s/models" $v.modelCache.mountPath | quote }}
             {{- include "slotserve.serveEnv" $root | nindent 12 }}
+            {{- include "slotserve.nodeEnv" $root | nindent 12 }}
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
