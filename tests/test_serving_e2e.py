@@ -121,7 +121,9 @@ def test_load_spreads_and_prefers_the_cached_prefix(service):
     # A 96-token prefix (6 blocks) lands on one replica; later requests sharing it follow it.
     prefix = [(i * 37 + 11) % 300 + 3 for i in range(96)]
     service.generate(prompt_token_ids=pb.TokenIds(ids=prefix + [1]), sampling=pb.SamplingOptions(max_tokens=2))
-    time.sleep(1.5)  # the digest reaches the routers with the next routing-stats polls
+    # The digest reaches the router within ~1.25 s (engine refresh every 0.5 s when idle, then the
+    # next 0.5 s routing-stats poll); 3 s leaves room for a loaded host.
+    time.sleep(3.0)
     hits = {r.replica_id: r.prefix_cache_hits for r in service.replicas()}
     for i in range(4):
         service.generate(prompt_token_ids=pb.TokenIds(ids=prefix + [20 + i, 4]),
