@@ -26,7 +26,8 @@ from deployments.replica import ServeEngineReplica
 from deployments.tp_launcher import NOSET_VISIBLE_DEVICES
 
 INGRESS_DEPLOYMENT = "Router"
-SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+             "PYTHONNODEBUGRANGES": "1"}
 """Environment of every Ray process serving the app (``serve`` CLI, Helm chart, tests, benchmarks).
 
 - ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``: Serve runs a replica's methods on a second
@@ -37,6 +38,12 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_USE_G
   Serve's gRPC data plane instead of Ray actor calls (one of Serve's throughput-optimized
   settings): a streamed message no longer goes through Ray's object-returning generator
   machinery, which cost the proxy and the ingress 30-50 % of their CPU per token.
+- ``PYTHONNODEBUGRANGES=1``: Python 3.11 draws a traceback's ``^^^`` markers with ``ast.parse``,
+  whose AST constructor keeps its recursion count per interpreter, not per thread: two threads
+  formatting a traceback at once (Serve logs a request's error while its gRPC data plane
+  serializes it) can fail with "SystemError: AST constructor recursion depth mismatch", which
+  then replaces the request's own error (a deadline came back as INTERNAL). Without column
+  tables tracebacks have no markers and never parse.
 
 Set for the whole cluster, not per deployment: a runtime_env would cost every replica start a
 few seconds."""

@@ -132,6 +132,25 @@ def test_load_spreads_and_prefers_the_cached_prefix(service):
     assert sorted(gained.values()) == [0, 4 * 96], gained
 
 
+def test_ray_processes_inherit_the_serve_env(service):
+    import ray
+
+    from deployments.app import SERVE_ENV
+
+    @ray.remote(num_cpus=0)
+    def seen() -> tuple[dict[str, str | None], set]:
+        import os
+
+        columns = {pos[2] for pos in seen_columns.__code__.co_positions()}  # None: no column tables
+        return {k: os.environ.get(k) for k in SERVE_ENV}, columns
+
+    def seen_columns():
+        return 1 + 1
+
+    env, columns = ray.get(seen.remote(), timeout=60)
+    assert env == SERVE_ENV and columns == {None}
+
+
 def test_cancelled_stream_and_deadlines_free_the_slot(service):
     call = service.stub.Generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingOptions(
         max_tokens=400, ignore_eos=True)), timeout=60)

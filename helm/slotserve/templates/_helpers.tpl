@@ -118,12 +118,6 @@ time, so streams get their full D. The pod's grace period adds 15 s for Ray to e
 {{- end }}
 
 {{/*
-Environment of every Ray container: deployments.app.SERVE_ENV (Serve runs the replicas' methods on
-its own event loop: they never block, and the hand-off to a second loop costs CPU per streamed
-message; proxy and handles reach replicas over Serve's gRPC data plane, cheaper per message than
-Ray actor calls). tests/test_helm.py checks the two agree.
-*/}}
-{{/*
 The Kubernetes node a pod runs on, for the replicas' GPU info metric (its `node` label matches
 DCGM's Hostname; deployments/nvml.py).
 */}}
@@ -134,9 +128,18 @@ DCGM's Hostname; deployments/nvml.py).
       fieldPath: spec.nodeName
 {{- end }}
 
+{{/*
+Environment of every Ray container: deployments.app.SERVE_ENV (Serve runs the replicas' methods on
+its own event loop: they never block, and the hand-off to a second loop costs CPU per streamed
+message; proxy and handles reach replicas over Serve's gRPC data plane, cheaper per message than
+Ray actor calls; tracebacks without column markers, whose drawing in Python 3.11 races between
+threads). tests/test_helm.py checks the two agree.
+*/}}
 {{- define "slotserve.serveEnv" -}}
 - name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
   value: "0"
 - name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: "1"
+- name: PYTHONNODEBUGRANGES
   value: "1"
 {{- end }}
