@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.report import fmt_num, fmt_pcts, peak_rss, served_lines
+from benchmarks.report import SERVED_SYSTEMS, fmt_num, fmt_pcts, peak_rss, served_lines
 from benchmarks.systems import BASELINE
 
 
@@ -37,7 +37,7 @@ def format_markdown(results: dict) -> str:
             fmt_pcts(s["ttft_s"], 1, ".2f"), fmt_pcts(s["itl_s"], 1000, ".1f"), fmt_pcts(s["e2e_s"], 1, ".1f"),
             fmt_num(s["mean_slot_occupancy"], ".2f"), fmt_num(s["preemptions"], "d"),
             fmt_num(s["prefix_cache_hit_rate"], ".0%"), fmt_num(peak_rss(s), ".0f", 1 / 2**20)]))
-    served = served_lines(results["systems"])
+    served = [line for name in SERVED_SYSTEMS for line in served_lines(results["systems"], name)]
     if served:
         lines += [""] + [f"- {line}" for line in served]
     lines += ["", "Targets (reported, not asserted):", ""]

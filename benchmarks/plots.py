@@ -14,7 +14,8 @@ from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 from benchmarks.systems import BASELINE  # noqa: E402
 
 _COLORS = {"continuous": "tab:blue", "static": "tab:orange", "hf_generate": "tab:red",
-           "hf_generate_batch": "tab:green", "served": "tab:purple"}
+           "hf_generate_batch": "tab:green", "served": "tab:purple",
+           "served_direct": "tab:pink"}
 
 
 def _color(name: str) -> str:

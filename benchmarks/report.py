@@ -30,8 +30,10 @@ RATIO_TARGETS = (
 )
 PROFILE_TARGET_RUNNING = 32
 PROFILE_TARGET_MAX_OUTSIDE = 0.10
-# The served application against the in-process engine on the same workload.
+# The served application against the in-process engine on the same workload: through Serve's
+# proxy, and with Serve's direct ingress (the clients reach the ingress replica itself).
 SERVED = "served"
+SERVED_SYSTEMS = {SERVED: "served", "served_direct": "served, direct ingress,"}
 # A tiny model (--quick) stands in for a fast GPU engine: a step costs little, so the serving
 # path's per-message costs weigh far more than with a real model.
 SERVED_MIN_THROUGHPUT_SHARE = {"model": 0.9, "quick": 0.5}
@@ -66,7 +68,7 @@ def ratios(systems: dict) -> dict:
             "e2e_p50": _ratio(s["e2e_s"]["p50"], base["e2e_s"]["p50"]),
             "e2e_p99": _ratio(s["e2e_s"]["p99"], base["e2e_s"]["p99"]),
         }
-        if name == SERVED:
+        if name in SERVED_SYSTEMS:
             # What the serving path keeps of the engine's throughput, and what it adds to TTFT.
             out[name]["throughput_share"] = _ratio(s["output_tokens_per_s"], base["output_tokens_per_s"])
             out[name]["added_ttft_s"] = (s.get("notes") or {}).get("added_ttft_s")
@@ -79,13 +81,19 @@ def peak_rss(system: dict) -> int | None:
 
 
 def _served_targets(ratio_table: dict, quick: bool) -> list[dict]:
-    served = ratio_table.get(SERVED)
+    """The throughput share and added-TTFT targets of each served system run (of "served" if none)."""
+    names = [name for name in SERVED_SYSTEMS if name in ratio_table] or [SERVED]
+    return [entry for name in names for entry in _served_system_targets(name, ratio_table.get(name), quick)]
+
+
+def _served_system_targets(name: str, served: dict | None, quick: bool) -> list[dict]:
+    label = SERVED_SYSTEMS[name]
     share = (served or {}).get("throughput_share")
     minimum = SERVED_MIN_THROUGHPUT_SHARE["quick" if quick else "model"]
-    entry = {"target": f"served >= {minimum:g}x continuous output tok/s{' (tiny model)' if quick else ''}",
+    entry = {"target": f"{label} >= {minimum:g}x continuous output tok/s{' (tiny model)' if quick else ''}",
              "minimum": minimum, "value": share}
     if share is None:
-        entry.update(status="n/a", detail=f"{SERVED} and {BASELINE} were not both run")
+        entry.update(status="n/a", detail=f"{name} and {BASELINE} were not both run")
     else:
         margin = share / minimum - 1.0
         entry.update(status="reached" if margin >= 0 else "missed", margin=margin,
@@ -94,10 +102,10 @@ def _served_targets(ratio_table: dict, quick: bool) -> list[dict]:
     probe = (served or {}).get("added_ttft_s") or {}
     added, engine = probe.get("p50"), (probe.get("engine_ttft_s") or {}).get("p50")
     limit_ms = SERVED_MAX_ADDED_TTFT_S * 1e3
-    ttft = {"target": f"served path adds <= {limit_ms:g} ms to TTFT (p50, light load)",
+    ttft = {"target": f"{label} path adds <= {limit_ms:g} ms to TTFT (p50, light load)",
             "maximum": SERVED_MAX_ADDED_TTFT_S, "value": added}
     if added is None:
-        ttft.update(status="n/a", detail=f"{SERVED} was not run")
+        ttft.update(status="n/a", detail=f"{name} was not run")
     elif engine is not None and engine > SERVED_TTFT_RESOLUTION * SERVED_MAX_ADDED_TTFT_S:
         ttft.update(status="n/a", detail=f"{added * 1e3:.1f} ms measured, not resolvable: the engine's own TTFT "
                                          f"(p50 {engine * 1e3:.0f} ms) varies more than {limit_ms:g} ms from one "
@@ -259,7 +267,8 @@ def _system_lines(systems: dict) -> list[str]:
                  (fmt_num(s["preemptions"], "d"), 8), (fmt_num(s["prefix_cache_hit_rate"], ".0%"), 7),
                  (fmt_num(peak_rss(s), ".0f", 1 / 2**20), 8)]
         lines.append(f"{s['title']:<24}" + "".join(f"{text:>{width}}" for text, width in cells))
-    lines += served_lines(systems)
+    for name in SERVED_SYSTEMS:
+        lines += served_lines(systems, name)
     for name, s in systems.items():
         if "error" not in s and not s["exact_output_lengths"]:
             lines.append(f"WARNING: {name} returned {s['output_tokens']} tokens for {s['requested_tokens']} asked; "
@@ -267,35 +276,40 @@ def _system_lines(systems: dict) -> list[str]:
     return lines
 
 
-def served_lines(systems: dict) -> list[str]:
+def served_lines(systems: dict, name: str = SERVED) -> list[str]:
     """How the served figures were taken: the added TTFT probe and whose memory the RSS counts."""
-    s = systems.get(SERVED)
+    s = systems.get(name)
     if not s or "error" in s:
         return []
+    return [f"{name}: {line}" for line in _served_notes(s)]
+
+
+def _served_notes(s: dict) -> list[str]:
     notes = s.get("notes") or {}
+    front, hops = ("ingress", "one such hop") if notes.get("direct_ingress") else ("proxy + ingress", "two such hops")
     lines = []
     added = notes.get("added_ttft_s")
     if added:
-        lines.append(f"served: added TTFT p50 {added['p50'] * 1e3:.1f} ms, p90 {added['p90'] * 1e3:.1f} ms "
+        lines.append(f"added TTFT p50 {added['p50'] * 1e3:.1f} ms, p90 {added['p90'] * 1e3:.1f} ms "
                      f"(client TTFT through gRPC + Ray p50 {added['served_ttft_s']['p50'] * 1e3:.1f} ms minus "
                      f"in-process AsyncEngine p50 {added['engine_ttft_s']['p50'] * 1e3:.1f} ms; "
                      f"{added['requests']} requests one at a time, {added['prompt_len']}-token prompts, "
                      f"{min(added['output_lens'])}-{max(added['output_lens'])} tokens)")
     split = (added or {}).get("proxy_and_ingress_s")
     if split:
-        lines.append(f"served: of that, proxy + ingress (gRPC probe minus the same probe sent straight to the engine "
+        lines.append(f"of that, {front} (gRPC probe minus the same probe sent straight to the engine "
                      f"replica, same process) p50 {split['p50'] * 1e3:.1f} ms, p90 {split['p90'] * 1e3:.1f} ms")
     floor = notes.get("serve_call_floor_s")
     if floor:
-        lines.append(f"served: for scale, one bare Serve streaming call (do-nothing replica, one item) takes "
+        lines.append(f"for scale, one bare Serve streaming call (do-nothing replica, one item) takes "
                      f"p50 {floor['p50'] * 1e3:.1f} ms, p90 {floor['p90'] * 1e3:.1f} ms here; "
-                     "the served path makes two such hops plus gRPC")
+                     f"the path makes {hops} plus gRPC")
     cpu = notes.get("cpu_by_process")
     if cpu:
         top = ", ".join(f"{name} {c['cpu_us_per_token']:.0f}" for name, c in list(cpu.items())[:6])
-        lines.append(f"served: CPU per output token in the timed run, µs by process: {top}")
+        lines.append(f"CPU per output token in the timed run, µs by process: {top}")
     if notes.get("peak_rss_tree_bytes"):
-        lines.append(f"served: peak RSS is the client plus all {notes.get('processes_at_peak_rss')} Ray processes "
+        lines.append(f"peak RSS is the client plus all {notes.get('processes_at_peak_rss')} Ray processes "
                      f"(client alone {fmt_num(s.get('peak_rss_bytes'), '.0f', 1 / 2**20)} MB)")
     return lines
 

@@ -166,17 +166,39 @@ class TreeRss:
 
 
 class ServedApp:
-    """A local Ray with Serve (gRPC + HTTP on free ports) running build_app with one replica."""
+    """A local Ray with Serve (gRPC + HTTP on free ports) running build_app with one replica.
 
-    def __init__(self, model_dir: str, settings: BenchSettings) -> None:
+    ``direct``: Serve's direct ingress, the clients reach the ingress replica itself (its own
+    free ports) instead of Serve's proxy. Ray's environment is restored on exit."""
+
+    def __init__(self, model_dir: str, settings: BenchSettings, *, direct: bool = False) -> None:
         self.model_dir = model_dir
         self.settings = settings
+        self.direct = direct
         self.grpc_port = self.http_port = 0
         self.startup_s = 0.0
+        self._saved_env: dict[str, str | None] = {}
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    def _set_env(self) -> None:
+        """SERVE_ENV (and direct ingress on the client ports) for the processes Ray starts."""
+        from deployments.app import SERVE_ENV, direct_ingress_env
+
+        env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV}
+        if self.direct:
+            env.update(direct_ingress_env(self.grpc_port, self.http_port))
+        self._saved_env = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+
+    def _restore_env(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
     def app_args(self) -> dict:
         # One replica, no autoscaling: the replica owns as many CPUs as the engine has threads.
@@ -192,16 +214,14 @@ class ServedApp:
         from deployments.app import build_app
         from deployments.grpc_registration import SERVICER_FUNCTIONS
 
-        from deployments.app import SERVE_ENV
-
         start = time.perf_counter()
-        os.environ.update({"RAY_AUTH_MODE": "disabled", **SERVE_ENV})  # Ray's processes inherit it
+        self.http_port, self.grpc_port = free_port(), free_port()
+        proxy_http, proxy_grpc = (free_port(), free_port()) if self.direct else (self.http_port, self.grpc_port)
+        self._set_env()
         ray.init(num_cpus=self.settings.threads + 1, include_dashboard=False, log_to_driver=False)
         try:
-            self.http_port, self.grpc_port = free_port(), free_port()
-            serve.start(http_options=HTTPOptions(host="127.0.0.1", port=self.http_port),
-                        grpc_options=gRPCOptions(port=self.grpc_port,
-                                                 grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
+            serve.start(http_options=HTTPOptions(host="127.0.0.1", port=proxy_http),
+                        grpc_options=gRPCOptions(port=proxy_grpc, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
             serve.run(build_app(self.app_args()), name=APP_NAME, route_prefix="/")
             self._wait_ready()
         except BaseException:
@@ -297,6 +317,7 @@ class ServedApp:
             serve.shutdown()
         finally:
             ray.shutdown()
+            self._restore_env()
 
 
 def _in_process_probe(options: dict, model_dir: str) -> list[float]:
@@ -312,9 +333,19 @@ def _delta(after: dict, before: dict, key: str) -> int:
 
 def run_served(requests: list[BenchRequest], settings: BenchSettings,
                progress: Callable[[int], None]) -> SystemRun:
+    return _run(requests, settings, progress, direct=False)
+
+
+def run_served_direct(requests: list[BenchRequest], settings: BenchSettings,
+                      progress: Callable[[int], None]) -> SystemRun:
+    return _run(requests, settings, progress, direct=True)
+
+
+def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callable[[int], None], *,
+         direct: bool) -> SystemRun:
     with tempfile.TemporaryDirectory(prefix="slotserve-served-") as scratch:
         model_dir = with_tokenizer(settings.model_dir, Path(scratch))
-        with TreeRss() as rss, ServedApp(model_dir, settings) as app:
+        with TreeRss() as rss, ServedApp(model_dir, settings, direct=direct) as app:
             vocab_size = _vocab_size(model_dir)
             run_streams(app.target, warmup_requests(vocab_size))
             before, cpu_before = app.engine_stats(), per_process(cpu_seconds)
@@ -340,8 +371,9 @@ def run_served(requests: list[BenchRequest], settings: BenchSettings,
                "cpu_by_process": cpu_by_process(cpu_before, cpu_after,
                                                 _delta(after, before, "num_generated_tokens")),
                "peak_rss_tree_bytes": rss.peak_bytes, "processes_at_peak_rss": rss.processes_at_peak,
-               "startup_s": startup_s, "transport": "gRPC (grpc.aio client, one channel) -> Serve proxy -> "
-                                                   "Router ingress -> EngineReplica (1 replica)"})
+               "startup_s": startup_s, "direct_ingress": direct,
+               "transport": "gRPC (grpc.aio client, one channel) -> " + ("" if direct else "Serve proxy -> ")
+                            + "Router ingress -> EngineReplica (1 replica)"})
 
 
 def _vocab_size(model_dir: str) -> int:

@@ -91,6 +91,11 @@ register_system(SystemSpec(
     "the served application on a local Ray: gRPC streaming clients -> Serve's gRPC proxy -> Router ingress -> "
     "one EngineReplica with the continuous system's engine options",
     "benchmarks.served_system:run_served"))
+register_system(SystemSpec(
+    "served_direct", "slotserve, served direct",
+    "the same application with Serve's direct ingress: gRPC streaming clients -> Router ingress replica (its own "
+    "gRPC server, no proxy) -> one EngineReplica",
+    "benchmarks.served_system:run_served_direct"))
 
 BASELINE = "continuous"
 DEFAULT_SYSTEMS = ("continuous", "static", "hf_generate", "hf_generate_batch", "served")

@@ -117,6 +117,14 @@ def _import_path(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -132,10 +140,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for key in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):  # HTTPS; fail here, not in the proxy
         if http.get(key) and not Path(http[key]).is_file():
             raise ValueError(f"http_options.{key}: {http[key]} is not a file")
-    http_options, grpc_serve_options = HTTPOptions(**http), gRPCOptions(**grpc_options)
-    from deployments.app import SERVE_ENV
+    from deployments.app import SERVE_ENV, direct_ingress_env
 
-    for key, value in SERVE_ENV.items():  # the local cluster's processes inherit it
+    env, client_ports = dict(SERVE_ENV), (grpc_options["port"], http["port"])
+    if args.direct_ingress:  # the ingress replica takes the configured ports; Serve's proxy others
+        env.update(direct_ingress_env(grpc_options["port"], http["port"]))
+        http, grpc_options = {**http, "port": _free_port()}, {**grpc_options, "port": _free_port()}
+    http_options, grpc_serve_options = HTTPOptions(**http), gRPCOptions(**grpc_options)
+    for key, value in env.items():  # the local cluster's processes inherit it
         os.environ.setdefault(key, value)
     ray.init(num_cpus=args.num_cpus, include_dashboard=args.dashboard, _metrics_export_port=args.metrics_port)
     try:
@@ -146,9 +158,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             serve.run(application, name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"),
                       blocking=False)
         host, scheme = http["host"], "https" if http.get("ssl_certfile") else "http"
-        print(f"slotserve is up:\n  gRPC  {host}:{grpc_options.get('port', 9000)} (slotserve.v1.SlotServe, "
+        grpc_port, http_port = client_ports
+        print(f"slotserve is up{' (direct ingress: no proxy hop)' if args.direct_ingress else ''}:\n"
+              f"  gRPC  {host}:{grpc_port} (slotserve.v1.SlotServe, "
               f"grpc.health.v1.Health; plaintext, on all interfaces)\n"
-              f"  HTTP  {scheme}://{host}:{http['port']}/v1 (OpenAI API)\n"
+              f"  HTTP  {scheme}://{host}:{http_port}/v1 (OpenAI API)\n"
               f"  Prometheus metrics  http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics "
               "(docs/OBSERVABILITY.md)\nCtrl-C stops it.", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)  # a supervisor's stop shuts down like Ctrl-C
@@ -188,6 +202,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     s.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
     s.add_argument("--metrics-port", type=int, help="Ray's Prometheus metrics port (default: Ray picks a free one)")
+    s.add_argument("--direct-ingress", action="store_true",
+                   help="clients reach the ingress replica on the gRPC and HTTP ports with no Serve proxy in front "
+                        "(Serve's direct ingress; faster, docs/BENCHMARKS.md); more ingress replicas take the next ports")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion over gRPC")

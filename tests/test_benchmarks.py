@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks.metrics import RequestTrace, percentiles, time_weighted_mean
-from benchmarks.report import judge_targets, ratios
+from benchmarks.report import judge_targets, ratios, served_lines
 from benchmarks.systems import DEFAULT_SYSTEMS, parse_systems
 from benchmarks.workloads import Arrival, BenchRequest, Mixture, build_requests, get_workload, schedule_bound
 
@@ -142,6 +142,21 @@ def test_ratios_and_targets_reached_missed_and_not_applicable():
     assert "schedule bound for this request list: 1.50x" in judged["continuous >= 4x static on mixed"]["detail"]
     other = judge_targets("uniform", table, None)
     assert [t["status"] for t in other] == ["n/a", "n/a", "missed", "n/a", "n/a", "n/a"]
+
+
+def test_each_served_system_run_is_judged():
+    notes = {"added_ttft_s": {"p50": 0.003, "p90": 0.006, "engine_ttft_s": {"p50": 0.002}}, "direct_ingress": True}
+    table = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served_direct": {**_fake(60.0, 0.1, 1.0), "notes": notes}})
+    judged = judge_targets("uniform", table, None, quick=True)[-2:]
+    assert [t["target"].split(" >= ")[0].split(" path")[0] for t in judged] == ["served, direct ingress,"] * 2
+    assert [t["status"] for t in judged] == ["reached", "reached"]
+    both = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served": {**_fake(40.0, 0.1, 1.0), "notes": notes},
+                   "served_direct": {**_fake(60.0, 0.1, 1.0), "notes": notes}})
+    assert [t["status"] for t in judge_targets("uniform", both, None, quick=True)[-4:]] == \
+        ["missed", "reached", "reached", "reached"]
+    floor = {"direct_ingress": True, "serve_call_floor_s": {"p50": 0.004, "p90": 0.005}}
+    lines = served_lines({"served_direct": {"notes": floor}}, "served_direct")
+    assert lines and all(line.startswith("served_direct: ") for line in lines) and "one such hop" in lines[-1]
 
 
 def test_served_targets_judge_throughput_share_and_added_ttft():

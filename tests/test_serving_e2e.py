@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
-from tests.ray_cluster import served_app
+from tests.ray_cluster import Ports, free_port, served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -53,12 +53,18 @@ class Service:
         return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def service(tiny_model_dir):
+@pytest.fixture(scope="module", params=["proxy", "direct"])
+def service(request, tiny_model_dir):
+    """Clients reach the ingress through Serve's proxy, or straight (Serve's direct ingress)."""
+    from deployments.app import direct_ingress_env
+
     app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
            "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "routing": "slot_aware",
            "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2}
-    with served_app(app) as ports:
+    direct = Ports(free_port(), free_port()) if request.param == "direct" else None
+    env = direct_ingress_env(direct.grpc, direct.http) if direct else None
+    with served_app(app, env=env) as proxy:
+        ports = direct or proxy
         svc = Service(ports.http, ports.grpc)
         yield svc
         svc.channel.close()
@@ -258,3 +264,23 @@ def test_health_info_tokenize_and_cli(service, offline, capsys):
                  PROMPTS[0]]) == 0
     out = capsys.readouterr()
     assert out.out.rstrip("\n") == offline[0][0].rstrip("\n") and "24 completion tokens" in out.err
+
+
+def test_a_restarted_ingress_serves_on_the_same_ports(service):
+    """Last here: it kills the Router replica. With direct ingress its ports are the clients'."""
+    import ray
+
+    from tests.ray_cluster import APP
+
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(f"SERVE_REPLICA::{APP}#Router#"))
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline, last = time.monotonic() + 90, None
+    while time.monotonic() < deadline:
+        try:
+            assert service.generate(timeout=10, prompt="back", sampling=pb.SamplingOptions(max_tokens=4))[-1].usage
+            return
+        except grpc.RpcError as exc:
+            last = exc
+            time.sleep(0.5)
+    raise AssertionError(f"no answer on port {service.grpc_port} 90 s after the ingress was killed: {last!r}")
