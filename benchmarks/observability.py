@@ -90,8 +90,8 @@ def _metered(meter: _HookMeter, provider, recorder):
         def __init__(self, span) -> None:
             self._span = span
 
-        def engine_traceparent(self, *args):
-            return meter.call(self._span.engine_traceparent, *args)
+        def engine_trace_context(self, *args):
+            return meter.call(self._span.engine_trace_context, *args)
 
         def on_request(self, *args):
             meter.call(self._span.on_request, *args)

@@ -13,7 +13,7 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Mapping, Sequence
 
 from deployments.admission import Admission, ApiKeys
 from deployments.engine_client import EngineClient, EngineStream
@@ -161,8 +161,9 @@ class Frontend:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
 
-    async def prepare(self, inp: GenerateInput, trace_context: str | None = None) -> PreparedRequest:
-        """``trace_context``: the W3C traceparent the engine replica's spans descend from (the ingress span's)."""
+    async def prepare(self, inp: GenerateInput, trace_context: Mapping[str, str] | None = None) -> PreparedRequest:
+        """``trace_context``: the W3C headers (traceparent, tracestate) the engine replica's spans
+        descend from (the ingress span's)."""
         self.check_model(inp.model)
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(inp, name) is not None]
         if len(given) != 1:

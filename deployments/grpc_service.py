@@ -23,6 +23,7 @@ from deployments.frontend import Frontend
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.requests import GenerateInput, parse_messages
 from deployments.textstream import TextDelta
+from deployments.tracing import trace_headers
 
 SERVICE_NAME = "slotserve.v1.SlotServe"
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -115,14 +116,15 @@ class SlotServeGrpcMixin:
     frontend: Frontend
 
     async def Generate(self, request, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
-        traceparent = metadata(grpc_context, "traceparent")
+        traceparent, tracestate = metadata(grpc_context, "traceparent"), metadata(grpc_context, "tracestate")
         span = self.frontend.tracing.start_ingress(f"{SERVICE_NAME}/Generate", self.frontend.config.served_model_name,
-                                                   traceparent, metadata(grpc_context, "tracestate"), _GENERATE_RPC)
+                                                   traceparent, tracestate, _GENERATE_RPC)
         last = None
         try:
             self.frontend.authorize(metadata(grpc_context, "authorization"))  # before parsing: no key, no detail
             msg = parse(pb.GenerateRequest, request)
-            prepared = await self.frontend.prepare(generate_input(msg), span.engine_traceparent(traceparent))
+            prepared = await self.frontend.prepare(generate_input(msg),
+                                                   span.engine_trace_context(trace_headers(traceparent, tracestate)))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
                 async for delta in deltas:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
 from deployments.frontend import Frontend
 from deployments.openai_protocol import ParsedBody, ResponseBuilder, parse_chat_body, parse_completion_body
+from deployments.tracing import trace_headers
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 AUDIT_HEADER = "x-slotserve-audit"
@@ -127,9 +128,10 @@ class OpenAIRoutes:
             return error_response(exc)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        path, traceparent = request.url.path, request.headers.get("traceparent")
-        span = self.frontend.tracing.start_ingress(f"POST {path}", self.frontend.config.served_model_name, traceparent,
-                                                   request.headers.get("tracestate"),
+        path, client = request.url.path, trace_headers(request.headers.get("traceparent"),
+                                                        request.headers.get("tracestate"))
+        span = self.frontend.tracing.start_ingress(f"POST {path}", self.frontend.config.served_model_name,
+                                                   request.headers.get("traceparent"), request.headers.get("tracestate"),
                                                    {"http.request.method": "POST", "url.path": path})
         try:
             self.frontend.authorize(request.headers.get("authorization"))
@@ -137,7 +139,7 @@ class OpenAIRoutes:
             parsed = (parse_chat_body if chat else parse_completion_body)(body, request.headers.get("x-request-id"))
             audit = _wants_audit(request.headers.get(AUDIT_HEADER), parsed)
             # Passed beside the input, not into it: a copy would validate the whole body again.
-            prepared = await self.frontend.prepare(parsed.input, span.engine_traceparent(traceparent))
+            prepared = await self.frontend.prepare(parsed.input, span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
             builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name)
             if parsed.stream:

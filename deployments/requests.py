@@ -90,8 +90,9 @@ class PreparedRequest:
     """As the client asked, stop strings included (the ingress applies them to the text)."""
     priority: int = 0
     timeout_s: float | None = None
-    trace_context: str | None = None
-    """W3C traceparent the engine replica's spans descend from (the ingress span's)."""
+    trace_context: Mapping[str, str] | None = None
+    """W3C trace context headers (``traceparent``, ``tracestate``) the engine replica's spans
+    descend from (the ingress span's)."""
     client_request_id: str | None = None
     """The client's own id, if it sent one: logged and echoed back, never a key."""
     operation: str = "text_completion"
@@ -106,7 +107,7 @@ class PreparedRequest:
         """
         engine_params = dataclasses.replace(self.params, stop=(), include_stop_str_in_output=False)
         request = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                   "params": engine_params, "priority": self.priority, "trace_context": self.trace_context,
+                   "params": engine_params, "priority": self.priority, "trace_context": dict(self.trace_context) if self.trace_context else None,
                    "operation": self.operation}
         if resume_token_ids:
             request["resume_token_ids"] = list(resume_token_ids)

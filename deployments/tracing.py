@@ -139,7 +139,8 @@ class Tracing:
         """The SERVER span of one generation request, a child of the client's trace context."""
         if self._tracer is None:
             return NO_SPAN
-        span = self._tracer.start_span(name, context=_extract(traceparent, tracestate), kind=SpanKind.SERVER,
+        span = self._tracer.start_span(name, context=_extract(trace_headers(traceparent, tracestate)),
+                                       kind=SpanKind.SERVER,
                                        attributes={REQUEST_MODEL: model, **(attributes or {})})
         return IngressSpan(span)
 
@@ -204,11 +205,12 @@ class IngressSpan:
         self._span = span
         self._ended = False
 
-    def engine_traceparent(self, client_traceparent: str | None) -> str | None:
-        """The trace context for the engine replica: this span's, as a W3C traceparent."""
+    def engine_trace_context(self, client: Mapping[str, str] | None) -> dict[str, str] | None:
+        """The trace context for the engine replica: this span's, as W3C ``traceparent`` and
+        ``tracestate`` (the client's vendor entries, which the span carries on)."""
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=set_span_in_context(self._span))
-        return carrier.get("traceparent", client_traceparent)
+        return carrier or (dict(client) if client else None)
 
     def on_request(self, operation: str, request_id: str, params) -> None:
         """The request as validated (``PreparedRequest`` fields)."""
@@ -235,8 +237,8 @@ class _NoSpan:
 
     __slots__ = ()
 
-    def engine_traceparent(self, client_traceparent: str | None) -> str | None:
-        return client_traceparent
+    def engine_trace_context(self, client: Mapping[str, str] | None) -> dict[str, str] | None:
+        return dict(client) if client else None
 
     def on_request(self, operation: str, request_id: str, params) -> None:
         pass
@@ -248,13 +250,18 @@ class _NoSpan:
 NO_SPAN = _NoSpan()
 
 
-def _extract(traceparent: str | None, tracestate: str | None = None):
+def trace_headers(traceparent: str | None, tracestate: str | None) -> dict[str, str] | None:
+    """A client's W3C trace context headers as a carrier (None without a traceparent)."""
     if not traceparent or not isinstance(traceparent, str):
         return None
-    carrier = {"traceparent": traceparent}
-    if tracestate:
-        carrier["tracestate"] = tracestate
-    return _PROPAGATOR.extract(carrier)  # a malformed traceparent yields a fresh root
+    return {"traceparent": traceparent, **({"tracestate": tracestate} if isinstance(tracestate, str) and tracestate
+                                           else {})}
+
+
+def _extract(carrier: Mapping[str, str] | None):
+    if not isinstance(carrier, Mapping) or not isinstance(carrier.get("traceparent"), str):
+        return None
+    return _PROPAGATOR.extract(dict(carrier))  # a malformed traceparent yields a fresh root
 
 
 def _wall_clock():

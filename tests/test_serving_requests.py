@@ -114,8 +114,9 @@ def test_request_id_and_timeout():
 
 def test_engine_request_carries_token_ids_only():
     params = SamplingParams(stop=["END"], include_stop_str_in_output=True, max_tokens=5)
-    req = PreparedRequest("r1", (1, 2, 3), params, priority=2, trace_context="00-ab-cd-01").engine_request()
-    assert req["prompt_token_ids"] == [1, 2, 3] and req["priority"] == 2 and req["trace_context"] == "00-ab-cd-01"
+    context = {"traceparent": "00-ab-cd-01", "tracestate": "vendor=1"}
+    req = PreparedRequest("r1", (1, 2, 3), params, priority=2, trace_context=context).engine_request()
+    assert req["prompt_token_ids"] == [1, 2, 3] and req["priority"] == 2 and req["trace_context"] == context
     assert req["params"].stop == () and req["params"].max_tokens == 5
 
 

@@ -55,7 +55,8 @@ def test_nothing_is_traced_without_an_exporter(clean_env):
     assert not tracing.enabled and tracing.provider is None
     span = tracing.start_ingress("x", "tiny", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")
     assert span is NO_SPAN  # no span object per request
-    assert span.engine_traceparent("client-context") == "client-context"  # passed on as it came
+    client = {"traceparent": "client-context", "tracestate": "vendor=1"}
+    assert span.engine_trace_context(client) == client  # passed on as it came
 
 
 @pytest.mark.parametrize("env, names", [
@@ -178,7 +179,7 @@ def test_one_grpc_request_is_one_trace_under_the_clients_trace_id(tiny_model_dir
             async def generate(first_token: int, header: str):
                 msg = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=list(range(first_token, first_token + 20))),
                                          sampling=pb.SamplingOptions(max_tokens=LONG, temperature=0, ignore_eos=True))
-                ctx = GrpcContext([("traceparent", header)])
+                ctx = GrpcContext([("traceparent", header), ("tracestate", f"vendor=t{first_token}")])
                 return [m async for m in service.Generate(msg.SerializeToString(), grpc_context=ctx)]
 
             clients = [new_traceparent() for _ in range(2)]
@@ -187,6 +188,7 @@ def test_one_grpc_request_is_one_trace_under_the_clients_trace_id(tiny_model_dir
             return clients, replies, replica.replica_id
 
     clients, replies, replica_id = asyncio.run(asyncio.wait_for(main(), 120))
+    messages_first = {trace_id: 3 + 40 * i for i, (_, trace_id, _) in enumerate(clients)}
     preemptions = 0
     for (_, trace_id, client_span_id), messages in zip(clients, replies):
         spans = _by_trace(exporter, trace_id)
@@ -195,6 +197,8 @@ def test_one_grpc_request_is_one_trace_under_the_clients_trace_id(tiny_model_dir
         assert ingress.parent.span_id == client_span_id and ingress.parent.is_remote
         assert ingress.kind is SpanKind.SERVER and ingress.status.status_code is not StatusCode.ERROR
         assert route.parent.span_id == ingress.context.span_id
+        # The client's vendor entries (W3C tracestate) go on with its trace, to the replica too.
+        assert {s.context.trace_state.get("vendor") for s in spans.values()} == {f"t{messages_first[trace_id]}"}
         assert route.attributes["slotserve.replica"] == replica_id
         assert route.attributes["slotserve.route.reason"] == "round_robin"
         usage = messages[-1].usage
