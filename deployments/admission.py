@@ -9,6 +9,7 @@ at the door (RESOURCE_EXHAUSTED / 429), at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -19,7 +20,11 @@ logger = logging.getLogger(__name__)
 
 class Admission:
     """This ingress's share of the streams all healthy engine replicas can run or queue
-    (``max_num_seqs + max_waiting`` each), refreshed from their load reports once a second."""
+    (``max_num_seqs + max_waiting`` each), refreshed from their load reports once a second.
+
+    A refresh asks every replica (a GCS lookup and one call each, several ms): once a limit is
+    known it runs in the background and the request goes on with the last one, so a request
+    after a quiet second does not wait for it."""
 
     REFRESH_S = 1.0
 
@@ -28,19 +33,26 @@ class Admission:
         self._share = max(1, ingress_replicas)
         self._limit: int | None = None
         self._refreshed = float("-inf")
+        self._refresh_task: asyncio.Task | None = None
 
     async def limit(self) -> int | None:
         """None: no capacity known (no healthy replica reported yet): nothing to refuse on."""
         now = time.monotonic()
         if self._loads is not None and now - self._refreshed >= self.REFRESH_S:
             self._refreshed = now  # before the await: concurrent callers keep the last limit
-            try:
-                loads = await self._loads()
-            except Exception:  # noqa: BLE001 - no report this time: keep the last limit
-                return self._limit
-            capacity = sum(r.get("max_num_seqs", 0) + r.get("max_waiting", 0) for r in loads if r.get("healthy"))
-            self._limit = -(-capacity // self._share) if capacity else None
+            if self._limit is None:
+                await self._refresh()
+            elif self._refresh_task is None or self._refresh_task.done():
+                self._refresh_task = asyncio.ensure_future(self._refresh())
         return self._limit
+
+    async def _refresh(self) -> None:
+        try:
+            loads = await self._loads()
+        except Exception:  # noqa: BLE001 - no report this time: keep the last limit
+            return
+        capacity = sum(r.get("max_num_seqs", 0) + r.get("max_waiting", 0) for r in loads if r.get("healthy"))
+        self._limit = -(-capacity // self._share) if capacity else None
 
 
 class ApiKeys:

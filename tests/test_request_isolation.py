@@ -144,6 +144,31 @@ def test_each_ingress_admits_its_share():
     assert asyncio.run(Admission(none).limit()) is None  # nothing known: refuse nothing
 
 
+def test_a_known_limit_is_refreshed_without_holding_the_request(monkeypatch):
+    from deployments.admission import Admission
+
+    monkeypatch.setattr(Admission, "REFRESH_S", 0.0)
+    capacity, release = [8], None
+
+    async def loads():
+        if release is not None:
+            await release.wait()  # a slow report: replicas busy, GCS far away
+        return [{"healthy": True, "max_num_seqs": capacity[0], "max_waiting": 0}]
+
+    async def main():
+        nonlocal release
+        admission = Admission(loads)
+        assert await admission.limit() == 8  # nothing known yet: the first request waits for it
+        release, capacity[0] = asyncio.Event(), 16
+        assert await asyncio.wait_for(admission.limit(), 1.0) == 8  # the report is late: the last limit
+        release.set()
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert await admission.limit() == 16  # the background refresh landed
+
+    asyncio.run(main())
+
+
 def test_concurrent_first_requests_share_one_model_info_call(tokenizer):
     """32 first requests at once: one engine call, not 32 (they would all land on one replica)."""
     async def main():
