@@ -79,6 +79,7 @@ def direct_ingress_env(grpc_port: int, http_port: int, *, draining_s: float = 1.
             # dial the port itself, so a restarted ingress replica must get the same one back.
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
+
 def frontend_config(cfg: AppConfig) -> FrontendConfig:
     return FrontendConfig(served_model_name=cfg.model_name, model=cfg.model, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_prompt_chars=cfg.max_prompt_chars, default_max_tokens=cfg.default_max_tokens,
