@@ -64,13 +64,14 @@ def direct_ingress_env(grpc_port: int, http_port: int, *, draining_s: float = 1.
     """
     ranges = {"grpc_port": (grpc_port, grpc_port + DIRECT_INGRESS_PORTS - 1),
               "http_port": (http_port, http_port + DIRECT_INGRESS_PORTS - 1)}
+    n = DIRECT_INGRESS_PORTS
     for name, (low, high) in ranges.items():
         if not 1024 <= low or high > 65535:
-            raise ValueError(f"{name}: direct ingress uses {low}..{high}; allowed: 1024..{65536 - DIRECT_INGRESS_PORTS}")
+            raise ValueError(f"{name}: direct ingress uses {low}..{high}; allowed: 1024..{65536 - n}")
     (g_low, g_high), (h_low, h_high) = ranges.values()
     if g_low <= h_high and h_low <= g_high:
-        raise ValueError(f"grpc_port {grpc_port} and http_port {http_port}: direct ingress uses "
-                         f"{DIRECT_INGRESS_PORTS} ports from each, and these overlap; keep them {DIRECT_INGRESS_PORTS} apart")
+        raise ValueError(f"grpc_port {grpc_port} and http_port {http_port}: direct ingress uses {n} ports "
+                         f"from each, and these overlap; keep them {n} apart")
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(g_low), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(g_high),
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(h_low), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(h_high),

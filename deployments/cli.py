@@ -203,8 +203,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
     s.add_argument("--metrics-port", type=int, help="Ray's Prometheus metrics port (default: Ray picks a free one)")
     s.add_argument("--direct-ingress", action="store_true",
-                   help="clients reach the ingress replica on the gRPC and HTTP ports with no Serve proxy in front "
-                        "(Serve's direct ingress; faster, docs/BENCHMARKS.md); more ingress replicas take the next ports")
+                   help="clients reach the ingress replica on the gRPC and HTTP ports with no Serve proxy in "
+                        "front (Serve's direct ingress; faster, docs/BENCHMARKS.md); more ingress replicas take "
+                        "the next ports")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion over gRPC")

@@ -116,15 +116,14 @@ class SlotServeGrpcMixin:
     frontend: Frontend
 
     async def Generate(self, request, grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
-        traceparent, tracestate = metadata(grpc_context, "traceparent"), metadata(grpc_context, "tracestate")
+        client = trace_headers(metadata(grpc_context, "traceparent"), metadata(grpc_context, "tracestate"))
         span = self.frontend.tracing.start_ingress(f"{SERVICE_NAME}/Generate", self.frontend.config.served_model_name,
-                                                   traceparent, tracestate, _GENERATE_RPC)
+                                                   client, _GENERATE_RPC)
         last = None
         try:
             self.frontend.authorize(metadata(grpc_context, "authorization"))  # before parsing: no key, no detail
             msg = parse(pb.GenerateRequest, request)
-            prepared = await self.frontend.prepare(generate_input(msg),
-                                                   span.engine_trace_context(trace_headers(traceparent, tracestate)))
+            prepared = await self.frontend.prepare(generate_input(msg), span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
                 async for delta in deltas:

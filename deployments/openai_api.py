@@ -130,8 +130,7 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, chat: bool) -> Response:
         path, client = request.url.path, trace_headers(request.headers.get("traceparent"),
                                                         request.headers.get("tracestate"))
-        span = self.frontend.tracing.start_ingress(f"POST {path}", self.frontend.config.served_model_name,
-                                                   request.headers.get("traceparent"), request.headers.get("tracestate"),
+        span = self.frontend.tracing.start_ingress(f"POST {path}", self.frontend.config.served_model_name, client,
                                                    {"http.request.method": "POST", "url.path": path})
         try:
             self.frontend.authorize(request.headers.get("authorization"))

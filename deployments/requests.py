@@ -107,7 +107,7 @@ class PreparedRequest:
         """
         engine_params = dataclasses.replace(self.params, stop=(), include_stop_str_in_output=False)
         request = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                   "params": engine_params, "priority": self.priority, "trace_context": dict(self.trace_context) if self.trace_context else None,
+                   "params": engine_params, "priority": self.priority, "trace_context": self.trace_context,
                    "operation": self.operation}
         if resume_token_ids:
             request["resume_token_ids"] = list(resume_token_ids)

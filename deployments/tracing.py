@@ -134,13 +134,13 @@ class Tracing:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    def start_ingress(self, name: str, model: str, traceparent: str | None, tracestate: str | None = None,
+    def start_ingress(self, name: str, model: str, client: Mapping[str, str] | None,
                       attributes: Mapping[str, Any] | None = None) -> "IngressSpan":
-        """The SERVER span of one generation request, a child of the client's trace context."""
+        """The SERVER span of one generation request, a child of the client's trace context
+        (``trace_headers``: its W3C traceparent and tracestate)."""
         if self._tracer is None:
             return NO_SPAN
-        span = self._tracer.start_span(name, context=_extract(trace_headers(traceparent, tracestate)),
-                                       kind=SpanKind.SERVER,
+        span = self._tracer.start_span(name, context=_extract(client), kind=SpanKind.SERVER,
                                        attributes={REQUEST_MODEL: model, **(attributes or {})})
         return IngressSpan(span)
 

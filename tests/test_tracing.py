@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from deployments.errors import BadRequest
 from deployments.openai_api import build_openai_app
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
-from deployments.tracing import NO_SPAN, Tracing, exporter_names, provider_from_env
+from deployments.tracing import NO_SPAN, Tracing, exporter_names, provider_from_env, trace_headers
 from tests.real_serving import LONG, GrpcContext, GrpcService, new_traceparent, real_frontend
 from tests.ray_cluster import free_port
 
@@ -53,7 +53,7 @@ def _in_memory() -> tuple[Tracing, InMemorySpanExporter]:
 def test_nothing_is_traced_without_an_exporter(clean_env):
     tracing = Tracing.from_env()
     assert not tracing.enabled and tracing.provider is None
-    span = tracing.start_ingress("x", "tiny", "00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    span = tracing.start_ingress("x", "tiny", trace_headers("00-" + "1" * 32 + "-" + "2" * 16 + "-01", None))
     assert span is NO_SPAN  # no span object per request
     client = {"traceparent": "client-context", "tracestate": "vendor=1"}
     assert span.engine_trace_context(client) == client  # passed on as it came
@@ -92,7 +92,7 @@ def test_console_exporter_writes_json_lines_with_the_sdks_sampler_and_service_na
     assert "TraceIdRatioBased{0.25}" in provider.sampler.get_description()
     tracing = Tracing(provider)
     header, trace_id, _ = new_traceparent()  # sampled by the client: a parent-based sampler follows it
-    tracing.start_ingress("one", "tiny", header).end()
+    tracing.start_ingress("one", "tiny", trace_headers(header, None)).end()
     provider.shutdown()
     spans = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(s["name"], s["context"]["trace_id"]) for s in spans] == [("one", f"0x{trace_id:032x}")]
