@@ -33,7 +33,8 @@ PROFILE_TARGET_MAX_OUTSIDE = 0.10
 # The served application against the in-process engine on the same workload: through Serve's
 # proxy, and with Serve's direct ingress (the clients reach the ingress replica itself).
 SERVED = "served"
-SERVED_SYSTEMS = {SERVED: "served", "served_direct": "served, direct ingress,"}
+SERVED_SYSTEMS = {SERVED: "served", "served_direct": "served, direct ingress,",
+                  "served_calls": "served over Serve calls (engine_link: false)"}
 # A tiny model (--quick) stands in for a fast GPU engine: a step costs little, so the serving
 # path's per-message costs weigh far more than with a real model.
 SERVED_MIN_THROUGHPUT_SHARE = {"model": 0.9, "quick": 0.5}
@@ -286,7 +287,10 @@ def served_lines(systems: dict, name: str = SERVED) -> list[str]:
 
 def _served_notes(s: dict) -> list[str]:
     notes = s.get("notes") or {}
-    front, hops = ("ingress", "one such hop") if notes.get("direct_ingress") else ("proxy + ingress", "two such hops")
+    front = "ingress" if notes.get("direct_ingress") else "proxy + ingress"
+    serve_hops = (0 if notes.get("direct_ingress") else 1) + (0 if notes.get("engine_link") else 1)
+    hops = ["no such hop", "one such hop", "two such hops"][serve_hops] + (" (engine link)" if notes.get("engine_link")
+                                                                          else "")
     lines = []
     added = notes.get("added_ttft_s")
     if added:
@@ -296,7 +300,7 @@ def _served_notes(s: dict) -> list[str]:
                      f"{added['requests']} requests one at a time, {added['prompt_len']}-token prompts, "
                      f"{min(added['output_lens'])}-{max(added['output_lens'])} tokens)")
     split = (added or {}).get("proxy_and_ingress_s")
-    if split:
+    if split and not notes.get("engine_link"):  # the probe it subtracts is a Serve call this path no longer makes
         lines.append(f"of that, {front} (gRPC probe minus the same probe sent straight to the engine "
                      f"replica, same process) p50 {split['p50'] * 1e3:.1f} ms, p90 {split['p90'] * 1e3:.1f} ms")
     floor = notes.get("serve_call_floor_s")

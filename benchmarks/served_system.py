@@ -169,12 +169,14 @@ class ServedApp:
     """A local Ray with Serve (gRPC + HTTP on free ports) running build_app with one replica.
 
     ``direct``: Serve's direct ingress, the clients reach the ingress replica itself (its own
-    free ports) instead of Serve's proxy. Ray's environment is restored on exit."""
+    free ports) instead of Serve's proxy; ``link``: the ingress reaches the engine replica over an
+    engine link (deployments.link, the default) or else Serve calls. Ray's environment is restored on exit."""
 
-    def __init__(self, model_dir: str, settings: BenchSettings, *, direct: bool = False) -> None:
+    def __init__(self, model_dir: str, settings: BenchSettings, *, direct: bool = False, link: bool = True) -> None:
         self.model_dir = model_dir
         self.settings = settings
         self.direct = direct
+        self.link = link
         self.grpc_port = self.http_port = 0
         self.startup_s = 0.0
         self._saved_env: dict[str, str | None] = {}
@@ -204,7 +206,7 @@ class ServedApp:
         # One replica, no autoscaling: the replica owns as many CPUs as the engine has threads.
         return {"model": self.model_dir, "served_model_name": "bench", "engine": engine_options(self.settings),
                 "num_replicas": 1, "replica_resources": {"num_cpus": self.settings.threads},
-                "ingress": {"num_replicas": 1, "num_cpus": 0.5}, "drain_timeout_s": 5}
+                "ingress": {"num_replicas": 1, "num_cpus": 0.5}, "drain_timeout_s": 5, "engine_link": self.link}
 
     def __enter__(self) -> "ServedApp":
         import ray
@@ -341,11 +343,16 @@ def run_served_direct(requests: list[BenchRequest], settings: BenchSettings,
     return _run(requests, settings, progress, direct=True)
 
 
+def run_served_calls(requests: list[BenchRequest], settings: BenchSettings,
+                     progress: Callable[[int], None]) -> SystemRun:
+    return _run(requests, settings, progress, direct=False, link=False)
+
+
 def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callable[[int], None], *,
-         direct: bool) -> SystemRun:
+         direct: bool, link: bool = True) -> SystemRun:
     with tempfile.TemporaryDirectory(prefix="slotserve-served-") as scratch:
         model_dir = with_tokenizer(settings.model_dir, Path(scratch))
-        with TreeRss() as rss, ServedApp(model_dir, settings, direct=direct) as app:
+        with TreeRss() as rss, ServedApp(model_dir, settings, direct=direct, link=link) as app:
             vocab_size = _vocab_size(model_dir)
             run_streams(app.target, warmup_requests(vocab_size))
             before, cpu_before = app.engine_stats(), per_process(cpu_seconds)
@@ -371,9 +378,10 @@ def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callab
                "cpu_by_process": cpu_by_process(cpu_before, cpu_after,
                                                 _delta(after, before, "num_generated_tokens")),
                "peak_rss_tree_bytes": rss.peak_bytes, "processes_at_peak_rss": rss.processes_at_peak,
-               "startup_s": startup_s, "direct_ingress": direct,
+               "startup_s": startup_s, "direct_ingress": direct, "engine_link": link,
                "transport": "gRPC (grpc.aio client, one channel) -> " + ("" if direct else "Serve proxy -> ")
-                            + "Router ingress -> EngineReplica (1 replica)"})
+                            + "Router ingress -> " + ("engine link -> " if link else "")
+                            + "EngineReplica (1 replica)"})
 
 
 def _vocab_size(model_dir: str) -> int:

@@ -89,13 +89,18 @@ register_system(SystemSpec(
 register_system(SystemSpec(
     "served", "slotserve, served (gRPC)",
     "the served application on a local Ray: gRPC streaming clients -> Serve's gRPC proxy -> Router ingress -> "
-    "one EngineReplica with the continuous system's engine options",
+    "engine link -> one EngineReplica with the continuous system's engine options",
     "benchmarks.served_system:run_served"))
 register_system(SystemSpec(
     "served_direct", "slotserve, served direct",
     "the same application with Serve's direct ingress: gRPC streaming clients -> Router ingress replica (its own "
     "gRPC server, no proxy) -> one EngineReplica",
     "benchmarks.served_system:run_served_direct"))
+register_system(SystemSpec(
+    "served_calls", "slotserve, served, Serve calls",
+    "the served application with engine_link: false, as before engine links: the ingress submits each "
+    "request with a Serve call and reads the replica over a Serve stream",
+    "benchmarks.served_system:run_served_calls"))
 
 BASELINE = "continuous"
 DEFAULT_SYSTEMS = ("continuous", "static", "hf_generate", "hf_generate_batch", "served")

@@ -90,6 +90,10 @@ class LocalEngineClient:
         await replica.submit(request)
         return replica.replica_id
 
+    async def submit_linked(self, request: dict) -> tuple[str, str]:
+        """``submit`` to a replica serving an engine link (deployments.link), and its address."""
+        return await self._pick(request).submit_linked(request)
+
     def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list]:
         return self._by_id(replica_id).subscribe({"ingress_id": ingress_id})
 

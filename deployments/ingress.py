@@ -10,6 +10,7 @@ the EngineReplica deployment, whose request router (slot-aware by default, see
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from ray import serve
@@ -17,6 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.grpc_service import SlotServeGrpcMixin
+from deployments.link import LinkTransport
 from deployments.mux import MuxEngineClient
 from deployments.openai_api import build_openai_app
 
@@ -88,6 +90,9 @@ class HandleEngineClient:
     async def submit(self, request: dict) -> str:
         return await self._handle.submit.remote(request)
 
+    async def submit_linked(self, request: dict) -> tuple[str, str]:
+        return await self._handle.submit_linked.remote(request)
+
     def subscribe(self, replica_id: str, ingress_id: str):
         return self._handle.options(stream=True).subscribe.remote({"ingress_id": ingress_id, "replica_id": replica_id})
 
@@ -120,9 +125,10 @@ class HandleEngineClient:
 @serve.ingress()
 class RouterIngress(SlotServeGrpcMixin):
     def __init__(self, engine: DeploymentHandle, frontend_config: FrontendConfig, max_body_bytes: int,
-                 multiplex: bool = True) -> None:
+                 multiplex: bool = True, link_token: str | None = None) -> None:
         """``multiplex``: one stream per engine replica (deployments.mux); it needs the slot-aware
-        router, which honours the replica a call names. Off: one Serve stream per request."""
+        router, which honours the replica a call names. Off: one Serve stream per request.
+        ``link_token``: that stream is an engine link (deployments.link), outside Serve's calls."""
         from engine.models_hub import resolve_model
         from engine.tokenizer import load_tokenizer
 
@@ -130,8 +136,11 @@ class RouterIngress(SlotServeGrpcMixin):
         app_name = serve.get_replica_context().app_name
         client = HandleEngineClient(engine, app_name)
         if multiplex:
-            from router.inflight import request_finished
-            client = MuxEngineClient(client, on_done=request_finished)
+            from router import inflight
+            if link_token:
+                choose = functools.partial(inflight.choose, f"{app_name}#{ENGINE_DEPLOYMENT}")
+                client = LinkTransport(client, link_token, choose)
+            client = MuxEngineClient(client, on_done=inflight.request_finished)
         self.frontend = Frontend(frontend_config, tokenizer, client)
         self._max_body_bytes = max_body_bytes
 

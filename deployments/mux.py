@@ -95,11 +95,12 @@ class ReplicaHub:
             channel.pumps.pop(rid, None)
             await stream.aclose()  # a cancelled pump aborts its engine request here
 
-    async def subscribe(self, ingress_id: str) -> AsyncIterator[list[Item]]:
+    async def subscribe(self, ingress_id: str, idle_end_s: float | None = IDLE_END_S) -> AsyncIterator[list[Item]]:
         """Batches of ``(request_id, message, error)``: everything since the previous batch.
 
         A new subscription of the same ingress takes over from an older one still open
-        (a cancelled call can end here after its ingress has already asked again)."""
+        (a cancelled call can end here after its ingress has already asked again).
+        ``idle_end_s=None``: never end when idle (an engine link, which Serve does not wait for)."""
         channel = self._channel(ingress_id)
         me = object()
         channel.subscriber = me
@@ -107,9 +108,9 @@ class ReplicaHub:
         try:
             while channel.subscriber is me:
                 if not channel.items:
-                    if not channel.pumps:
+                    if not channel.pumps and idle_end_s is not None:
                         try:  # idle: wait a little for new requests, then end (see the module doc)
-                            await asyncio.wait_for(channel.ready.wait(), IDLE_END_S)
+                            await asyncio.wait_for(channel.ready.wait(), idle_end_s)
                         except (asyncio.TimeoutError, TimeoutError):
                             if not channel.pumps and not channel.items:
                                 return

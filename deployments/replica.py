@@ -28,6 +28,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+from deployments.link import LinkServer
 from deployments.metrics import EngineMetrics, Recorder, recorder_for
 from deployments.mux import ReplicaHub
 from deployments.nvml import GpuMonitor
@@ -77,10 +78,12 @@ class EngineReplica:
     def __init__(self, model: str, engine_options: dict[str, Any] | None = None,
                  engine_class: str | type = DEFAULT_ENGINE_CLASS, drain_timeout_s: float = 30.0,
                  model_name: str | None = None, metrics: Recorder | None = None,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, link_token: str | None = None,
+                 link_host: str = "127.0.0.1") -> None:
         """``model_name``: the served name, the metrics' ``model_name`` label (default ``model``);
         ``metrics``: where they go (default: Ray's metrics in a Ray worker, else nowhere);
-        ``tracing``: where spans go (default: as the ``OTEL_*`` environment variables say)."""
+        ``tracing``: where spans go (default: as the ``OTEL_*`` environment variables say);
+        ``link_token``: serve engine links (deployments.link) on ``link_host``, with this token."""
         if not isinstance(drain_timeout_s, (int, float)) or drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be a non-negative number, got {drain_timeout_s!r}")
         self._model = model
@@ -103,6 +106,9 @@ class EngineReplica:
         self.tracing = tracing if tracing is not None else Tracing.from_env()
         self._start_metrics_loop()  # Serve builds replicas on their event loop; else on the first request
         self._hub = ReplicaHub(self.generate)
+        self._link = LinkServer(self, self._hub, link_token, link_host) if link_token else None
+        self._link_started: asyncio.Task | None = None
+        self._start_link()
 
     @property
     def engine(self):
@@ -167,6 +173,21 @@ class EngineReplica:
         self._hub.submit(request)
         return self.replica_id
 
+    async def submit_linked(self, request: dict) -> tuple[str, str]:
+        """``submit``, answering with this replica's engine link address too (deployments.link)."""
+        if self._link is None:
+            raise EngineDeadError("this replica serves no engine link")
+        self._start_link()
+        return await self.submit(request), self._link.address
+
+    def _start_link(self) -> None:
+        if self._link is None or self._link_started is not None:
+            return
+        try:
+            self._link_started = asyncio.get_running_loop().create_task(self._link.start())
+        except RuntimeError:  # built outside an event loop (tests): started by the first submit
+            pass
+
     async def subscribe(self, request: dict) -> AsyncIterator[list]:
         """Batches of ``(request_id, message, error)`` for one ingress's requests: one per engine step."""
         async for batch in self._hub.subscribe(request["ingress_id"]):
@@ -207,6 +228,8 @@ class EngineReplica:
                 "kv_blocks_total": s.kv_blocks_total, "block_size": s.block_size,
                 "prefix_hashes": list(self._engine.prefix_digest(PREFIX_DIGEST_ENTRIES)),
                 "healthy": self.healthy(), "updated_at": time.time(),
+                **({"link": self._link.address, "link_requests": self._link.requests}
+                   if self._link_started is not None else {}),
                 # not read by the router; reported by GetLoad
                 "replica_id": self.replica_id, "kv_usage": s.kv_usage, "slot_occupancy": s.slot_occupancy,
                 "num_finished": s.num_finished, "prefix_cache_hits": s.prefix_cache_hits,
@@ -271,6 +294,8 @@ class EngineReplica:
             deadline = time.monotonic() + ABORT_GRACE_S
             while self._active and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
+        if self._link is not None:
+            await self._link.close()
         self._hub.close()
         self._engine.shutdown()
         if self._own_tracing:
@@ -280,7 +305,14 @@ class EngineReplica:
 
 
 class ServeEngineReplica(EngineReplica):
-    """What Serve deploys: Serve awaits an async ``__del__`` on graceful shutdown."""
+    """What Serve deploys: Serve awaits an async ``__del__`` on graceful shutdown; an engine link
+    listens on this node's address (the one Ray's own ports use)."""
+
+    def __init__(self, *args: Any, link_token: str | None = None, **kwargs: Any) -> None:
+        if link_token:
+            import ray
+            kwargs["link_host"] = ray.util.get_node_ip_address()
+        super().__init__(*args, link_token=link_token, **kwargs)
 
     async def __del__(self) -> None:
         await self.shutdown()

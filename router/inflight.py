@@ -10,6 +10,7 @@ reference, so the ingress and the routers in its process share it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 KEPT = 4096
 """Newest ids kept: a router forgets a request once its replica's stats include it anyway."""
@@ -28,3 +29,20 @@ def request_finished(request_id: str) -> None:
 def take_finished(request_id: str) -> bool:
     """Whether ``request_id`` finished (then forgotten here)."""
     return _finished.pop(request_id, False) is None
+
+
+# The slot-aware router of each engine deployment in this process, for engine links
+# (deployments.link): they route on the same loads and counts as Serve's calls do.
+_choosers: dict[str, Callable[[dict], "tuple[str, str] | None"]] = {}
+
+
+def offer_chooser(deployment: str, choose: Callable[[dict], "tuple[str, str] | None"]) -> None:
+    """Called by the router of ``deployment`` ("<app>#<name>") once it knows its replicas."""
+    _choosers[deployment] = choose
+
+
+def choose(deployment: str, request: dict) -> "tuple[str, str] | None":
+    """``(replica_id, link address)`` for ``request``, or None: no router here yet, or no replica
+    with a link (the caller goes through Serve)."""
+    chooser = _choosers.get(deployment)
+    return chooser(request) if chooser is not None else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -19,8 +20,9 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.kv.hashing import prefix_routing_keys
-from router.inflight import take_finished
-from router.policy import ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ReplicaLoad, RouterSettings, rank_replicas
+from router.inflight import offer_chooser, take_finished
+from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, Ranking, ReplicaLoad, RouterSettings,
+                           rank_replicas)
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,7 +79,10 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int]:
 def note_decision(pending_request: PendingRequest | None, reason: str) -> None:
     """Tell the chosen replica why (its trace's routing span): Serve serializes the arguments only
     after the choice, so the note travels with the request. A re-routed request gets a new note."""
-    request = _request_dict(pending_request)
+    _note(_request_dict(pending_request), reason)
+
+
+def _note(request: Mapping | None, reason: str) -> None:
     if isinstance(request, dict):
         request[ROUTING_NOTE] = {"reason": reason, "time_ns": time.time_ns()}
 
@@ -104,6 +109,8 @@ class SlotAwareRequestRouter(RequestRouter):
         self._reported_problems: set[ReplicaID] = set()
         self._last_saturation_log = 0.0
         self._decisions: metrics.Counter | None = None  # made on first use, once the settings are known
+        self._live: list[RunningReplica] = []
+        self._lock = threading.Lock()
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Receives ``request_router_kwargs``: the ``RouterSettings`` fields."""
@@ -127,31 +134,54 @@ class SlotAwareRequestRouter(RequestRouter):
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             if pinned:
                 return [pinned]
-        now = time.time()
-        loads = [self._load_of(r) for r in candidate_replicas]
-        prompt = prompt_token_ids(pending_request)
+        request = _request_dict(pending_request)
+        with self._lock:  # the ingress's engine links rank from another thread (choose_for_link)
+            ranking, _ = self._rank(candidate_replicas, request)
+            if ranking.ranks and len(ranking.ranks[0]) == 1 and prompt_token_ids(pending_request):
+                # Counted on the first choice now: Serve reports the routing only after the replica
+                # accepted (a round trip), and its other routing tasks choose meanwhile.
+                self._count_sent(self._sent_key(pending_request), ranking.ranks[0][0])
+        if ranking.saturated and time.time() - self._last_saturation_log > _SATURATION_LOG_PERIOD_S:
+            self._last_saturation_log = time.time()
+            logger.info("All %d replicas of %s are full; requests queue in the engines.",
+                        len(candidate_replicas), self._deployment_id)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[rid] for rid in rank] for rank in ranking.ranks]
+
+    def _rank(self, candidates: list[RunningReplica], request: Mapping | None
+              ) -> tuple[Ranking, dict[ReplicaID, ReplicaLoad]]:
+        """The policy's ranking for ``request``; a generate request gets its decision noted."""
+        loads = {r.replica_id: self._load_of(r) for r in candidates}
+        ids = request.get("prompt_token_ids") if request is not None else None
+        prompt = ids if isinstance(ids, (list, tuple)) else []
         hashes: list[int] = []
         if prompt and self._settings.max_prefix_blocks:
             try:
-                hashes = prefix_routing_keys(prompt, _block_size(loads, self._settings.block_size),
+                hashes = prefix_routing_keys(prompt, _block_size(list(loads.values()), self._settings.block_size),
                                              max_blocks=self._settings.max_prefix_blocks)
             except ValueError:  # ids no engine accepts: route on load, the replica rejects the request
                 pass
-        ranking = rank_replicas(loads, hashes, now, self._rng, self._settings.stale_after_s,
+        ranking = rank_replicas(list(loads.values()), hashes, time.time(), self._rng, self._settings.stale_after_s,
                                 prompt_len=len(prompt), load_slack=self._settings.load_slack)
         if prompt:  # a generate call (not stats / model_info)
             self._record_decision(ranking.reason)
-            note_decision(pending_request, ranking.reason)
-            if ranking.ranks and len(ranking.ranks[0]) == 1:
-                # Counted on the first choice now: Serve reports the routing only after the replica
-                # accepted (a round trip), and its other routing tasks choose meanwhile.
-                self._count_sent(pending_request, ranking.ranks[0][0])
-        if ranking.saturated and now - self._last_saturation_log > _SATURATION_LOG_PERIOD_S:
-            self._last_saturation_log = now
-            logger.info("All %d replicas of %s are full; requests queue in the engines.",
-                        len(loads), self._deployment_id)
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[rid] for rid in rank] for rank in ranking.ranks]
+            _note(request, ranking.reason)
+        return ranking, loads
+
+    def choose_for_link(self, request: dict) -> tuple[str, str] | None:
+        """The replica for ``request`` among those with an engine link (``deployments.link``), and
+        its address; None when none has one yet. Counted as sent, like a request Serve routes."""
+        with self._lock:
+            linked = [r for r in self._live
+                      if isinstance(r.routing_stats, Mapping) and isinstance(r.routing_stats.get("link"), str)]
+            if not linked:
+                return None
+            ranking, loads = self._rank(linked, request)
+            if not ranking.ranks:
+                return None
+            best = min(ranking.ranks[0], key=lambda rid: (loads[rid].load, self._rng.random()))
+            self._count_sent(request["request_id"], best)
+        return best.unique_id, next(r for r in linked if r.replica_id == best).routing_stats["link"]
 
     def _record_decision(self, reason: str) -> None:
         # One per routing attempt: a request Serve re-routes (all ranks refused) counts again.
@@ -166,31 +196,40 @@ class SlotAwareRequestRouter(RequestRouter):
         # Only generate calls take a slot: counting a burst of model_info or stats calls would make
         # a replica look full and send every request of the next burst elsewhere.
         if prompt_token_ids(pending_request):
-            self._count_sent(pending_request, replica_id)
+            with self._lock:
+                self._count_sent(self._sent_key(pending_request), replica_id)
 
-    def _count_sent(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
-        """Count the request on ``replica_id`` (and on no other: the first choice may have refused it)."""
-        key = pending_request.metadata.internal_request_id
-        if getattr(pending_request.metadata, "call_method", None) == "submit":
+    @staticmethod
+    def _sent_key(pending_request: PendingRequest) -> str:
+        if getattr(pending_request.metadata, "call_method", None) in ("submit", "submit_linked"):
             # A submit (deployments.mux) returns at once while its request runs on: counted
             # until its stream ends here (router.inflight) or the replica's stats include it.
-            key = _request_dict(pending_request).get("request_id", key)
+            return _request_dict(pending_request).get("request_id", pending_request.metadata.internal_request_id)
+        return pending_request.metadata.internal_request_id
+
+    def _count_sent(self, key: str, replica_id: ReplicaID) -> None:
+        """Count the request on ``replica_id`` (and on no other: the first choice may have refused it)."""
         for other, sent in self._sent.items():
             if other != replica_id:
                 sent.pop(key, None)
         self._sent.setdefault(replica_id, {})[key] = time.time()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        sent = self._sent.get(replica_id)
-        if sent is not None:
-            sent.pop(internal_request_id, None)
+        with self._lock:
+            sent = self._sent.get(replica_id)
+            if sent is not None:
+                sent.pop(internal_request_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
-        for table in (self._parsed, self._sent):
-            for rid in [rid for rid in table if rid not in live]:
-                del table[rid]
+        with self._lock:
+            self._live = list(replicas)
+            for table in (self._parsed, self._sent):
+                for rid in [rid for rid in table if rid not in live]:
+                    del table[rid]
+        deployment = self._deployment_id
+        offer_chooser(f"{deployment.app_name}#{deployment.name}", self.choose_for_link)
 
     def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats

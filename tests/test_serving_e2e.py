@@ -55,17 +55,19 @@ class Service:
 
 @pytest.fixture(scope="module", params=["proxy", "direct"])
 def service(request, tiny_model_dir):
-    """Clients reach the ingress through Serve's proxy, or straight (Serve's direct ingress)."""
+    """Clients reach the ingress through Serve's proxy, or straight (Serve's direct ingress), and
+    the ingress the engines then over engine links (deployments.link): Serve's path, or the fast one."""
     from deployments.app import direct_ingress_env
 
     app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
            "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "routing": "slot_aware",
-           "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2}
+           "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2, "engine_link": request.param == "direct"}
     direct = Ports(free_port(), free_port()) if request.param == "direct" else None
     env = direct_ingress_env(direct.grpc, direct.http) if direct else None
     with served_app(app, env=env) as proxy:
         ports = direct or proxy
         svc = Service(ports.http, ports.grpc)
+        svc.mode = request.param
         yield svc
         svc.channel.close()
 
@@ -155,6 +157,22 @@ def test_ray_processes_inherit_the_serve_env(service):
 
     env, columns = ray.get(seen.remote(), timeout=60)
     assert env == SERVE_ENV and columns == {None}
+
+
+def test_requests_reach_the_engines_over_links_only_on_the_fast_path(service):
+    import ray
+
+    from tests.ray_cluster import APP
+
+    prefix = f"SERVE_REPLICA::{APP}#EngineReplica#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    stats = [ray.get(ray.get_actor(n, namespace="serve").record_routing_stats.remote(), timeout=30) for n in names]
+    assert len(stats) == 2
+    if service.mode == "direct":  # the tests above ran their requests over links
+        assert all(s["link"].rsplit(":", 1)[1].isdigit() for s in stats)
+        assert sum(s["link_requests"] for s in stats) >= 8
+    else:
+        assert not any("link" in s for s in stats)
 
 
 def test_cancelled_stream_and_deadlines_free_the_slot(service):

@@ -1,0 +1,178 @@
+"""deployments.link: engine replicas and an ingress over real loopback connections, no Ray.
+
+The replicas are EngineReplica over the fake engine, each serving a link; the ingress side
+is MuxEngineClient over LinkTransport, as RouterIngress builds it. The Ray path (the router
+choosing, the node address, Serve's fallback) is exercised by test_serving_e2e's "link" mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from deployments.engine_client import LocalEngineClient
+from deployments.errors import Unavailable
+from deployments.link import LinkTransport, _frame, check_token, new_token
+from deployments.mux import MuxEngineClient
+from deployments.replica import EngineReplica
+from engine.sampling import SamplingParams
+from tests.fake_engine import FakeAsyncEngine
+from tests.serving_helpers import run, wait_idle, wait_load
+from tests.waits import async_wait_until
+
+LONG = 2000  # tokens: runs until the test ends it
+
+
+def _replicas(token: str, n: int = 1) -> list[EngineReplica]:
+    options = {"vocab_size": 256, "eos_token_id": 10**6, "max_num_seqs": 8, "max_waiting": 8,
+               "step_delay_s": 0.002}
+    return [EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=1, link_token=token)
+            for _ in range(n)]
+
+
+def _request(i: int, max_tokens: int = 12) -> dict:
+    return {"request_id": f"r{i}", "prompt_token_ids": [1 + i, 2, 3],
+            "params": SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)}
+
+
+class RoundRobin:
+    """The router's part: a replica with a link, in turn; None while ``ready`` is False."""
+
+    def __init__(self, reps) -> None:
+        self.reps, self.calls, self.ready = reps, 0, True
+
+    def __call__(self, request: dict):
+        if not self.ready:
+            return None
+        rep = self.reps[self.calls % len(self.reps)]
+        self.calls += 1
+        return rep.replica_id, rep.record_routing_stats()["link"]
+
+
+async def _linked(n: int = 1):
+    token = new_token()
+    reps = _replicas(token, n)
+    await asyncio.sleep(0)  # the link servers start on this loop
+    chooser = RoundRobin(reps)
+    transport = LinkTransport(LocalEngineClient(reps), token, chooser)
+    return reps, chooser, transport, MuxEngineClient(transport)
+
+
+async def _tokens(stream) -> tuple[list[int], list[dict]]:
+    messages = [m async for m in stream]
+    return [t for m in messages for t in m["token_ids"]], messages
+
+
+async def _shutdown(reps) -> None:
+    for rep in reps:
+        await rep.shutdown()
+
+
+def test_requests_over_links_get_the_same_tokens_as_in_process():
+    async def main():
+        reps, chooser, _, client = await _linked(2)
+        plain = LocalEngineClient(reps)
+        want = [(await _tokens(plain.generate(_request(i))))[0] for i in range(8)]
+        got = await asyncio.gather(*(_tokens(client.generate(_request(i))) for i in range(8)))
+        assert [tokens for tokens, _ in got] == want
+        assert all(messages[-1]["finish_reason"] == "length" for _, messages in got)
+        assert chooser.calls == 8  # every request routed by the chooser, none through "Serve"
+        assert all(r.record_routing_stats()["num_finished"] >= 4 for r in reps)  # both replicas served
+        await wait_idle(reps)
+        await _shutdown(reps)
+    run(main())
+
+
+def test_before_the_router_knows_a_link_requests_go_through_serve_and_read_the_link():
+    async def main():
+        reps, chooser, transport, client = await _linked(1)
+        chooser.ready = False
+        tokens, messages = await _tokens(client.generate(_request(0)))
+        assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
+        assert chooser.calls == 0 and list(transport._links) == [reps[0].replica_id]
+        await _shutdown(reps)
+    run(main())
+
+
+def test_closing_a_stream_aborts_its_request_over_the_link():
+    async def main():
+        reps, _, _, client = await _linked(1)
+        stream = client.generate(_request(0, max_tokens=LONG))
+        assert (await stream.__anext__())["token_ids"]
+        await wait_load(reps[0], 1)
+        await stream.aclose()
+        await wait_idle(reps)
+        await _shutdown(reps)
+    run(main())
+
+
+def test_a_lost_link_raises_in_its_streams_and_aborts_their_requests():
+    async def main():
+        reps, _, transport, client = await _linked(1)
+        streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(3)]
+        for s in streams:
+            await s.__anext__()
+        await wait_load(reps[0], 3)
+        transport._links[reps[0].replica_id].writer.transport.abort()  # the connection drops
+        for s in streams:
+            with pytest.raises(Unavailable, match="closed its link"):
+                async for _ in s:
+                    pass
+        await wait_idle(reps)  # the replica saw its ingress go and freed the slots
+        # the next request opens a new link
+        tokens, _ = await _tokens(client.generate(_request(9)))
+        assert len(tokens) == 12
+        await _shutdown(reps)
+    run(main())
+
+
+def test_a_replica_shutting_down_ends_its_link_after_draining():
+    async def main():
+        reps, _, _, client = await _linked(1)
+        stream = client.generate(_request(0, max_tokens=LONG))
+        await stream.__anext__()
+        stopping = asyncio.ensure_future(reps[0].shutdown())  # drain 1 s, then abort what still runs
+        messages = [m async for m in stream]
+        assert messages[-1]["finish_reason"] == "abort"
+        await stopping
+        with pytest.raises(Unavailable):  # refused: nobody listens any more
+            await _tokens(client.generate(_request(1)))
+    run(main())
+
+
+def test_an_unreachable_replica_fails_the_request_with_unavailable():
+    async def main():
+        token = new_token()
+        transport = LinkTransport(LocalEngineClient(_replicas(token)), token,
+                                  lambda request: ("gone", "127.0.0.1:9"))  # nothing listens on port 9
+        client = MuxEngineClient(transport)
+        with pytest.raises(Unavailable, match="unreachable"):
+            await _tokens(client.generate(_request(0)))
+    run(main())
+
+
+def test_a_connection_without_the_token_is_refused_before_anything_is_unpickled():
+    async def main():
+        reps = _replicas(new_token())
+        await asyncio.sleep(0)
+        host, port = reps[0].record_routing_stats()["link"].rsplit(":", 1)
+
+        class Boom:
+            def __reduce__(self):
+                return (pytest.fail, ("a frame from a peer without the token was unpickled",))
+
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"\0" * 16 + _frame(("hello", "x")) + pickle.dumps(Boom()))
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing sent
+        writer.close()
+        await _shutdown(reps)
+    run(main())
+
+
+@pytest.mark.parametrize("token", ["", "abc", "zz" * 16, "00" * 15])
+def test_a_bad_token_is_refused_naming_the_setting(token):
+    with pytest.raises(ValueError, match="SLOTSERVE_LINK_TOKEN.*32 hex digits"):
+        check_token(token)
