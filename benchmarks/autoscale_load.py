@@ -29,7 +29,8 @@ _STARTED = re.compile(r" -- Replica\(id='([^']+)', deployment='[^']+', app='[^']
                       r"after ([\d.]+)s .*?took ([\d.]+)s")
 # A request reaches an engine replica as a stream of its own (generate) or, with deployments.mux,
 # as a submit whose outputs go out on its ingress's subscription to that replica.
-_CALL = re.compile(_TS + r" \S+ (\S+) \S+ -- CALL (?:generate|submit|subscribe) (\w+) ([\d.]+)ms")
+# Serve's access lines (a request id before "--"), and the engine link's, which have none.
+_CALL = re.compile(_TS + r" \S+ (\S+) (?:\S+ )?-- (?:CALL (?:generate|submit|subscribe)|LINK \S+) (\w+) ([\d.]+)ms")
 
 
 def _wall(ts: str) -> float:
@@ -311,8 +312,8 @@ def replica_start(log_dir: Path, replica_id: str) -> tuple[float, float] | None:
 
 
 def engine_calls(log_dir: Path, app: str, replica_id: str) -> list[tuple[float, float, str]]:
-    """(start, end, status) of every request call (generate, submit) and subscription the replica
-    served (Serve's access log); not stats or model_info."""
+    """(start, end, status) of every request call (generate, submit), subscription and linked
+    request (deployments.link) the replica served, from its Serve log; not stats or model_info."""
     calls = []
     for path in log_dir.glob(f"replica_{app}_{ENGINE_DEPLOYMENT}_{replica_id}*.log"):
         for line in path.read_text(errors="replace").splitlines():

@@ -28,12 +28,16 @@ import pickle
 import secrets
 import socket
 import struct
+import time
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from deployments.errors import Unavailable
 from deployments.mux import Item, ReplicaHub
 
 logger = logging.getLogger(__name__)
+access_log = logging.getLogger("ray.serve")
+"""One line per linked request as it ends (``LINK <request id> OK|ERROR|CANCELLED <ms>ms``), in the
+replica's Serve log beside Serve's own ``CALL`` lines, which linked requests no longer make."""
 
 TOKEN_BYTES = 16
 LINK_TOKEN_ENV = "SLOTSERVE_LINK_TOKEN"
@@ -83,6 +87,22 @@ def _portable(batch: list[Item]) -> list[Item]:
     return out
 
 
+def _keepalive(sock: socket.socket | None) -> None:
+    """Probe an idle link: a replica whose node vanished sends no FIN, and its streams would wait
+    for their deadlines; with these they fail (and resume elsewhere) within ~25 s."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", 25_000)):  # ms; the same bound while data is unacknowledged
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _log_access(request_id: str, status: str, since: float) -> None:
+    access_log.info("LINK %s %s %.1fms", request_id, status, (time.monotonic() - since) * 1e3)
+
+
 class Replica(Protocol):
     """What the link needs of ``replica.EngineReplica``."""
 
@@ -122,11 +142,14 @@ class LinkServer:
             kind, ingress_id = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
             if kind != "hello" or not isinstance(ingress_id, str):
                 return
-            forward = asyncio.create_task(self._forward(ingress_id, writer))
+            started: dict[str, float] = {}  # request id -> when it came, until it ends
+            forward = asyncio.create_task(self._forward(ingress_id, writer, started))
+            forward.add_done_callback(lambda _: writer.close())  # a broken forwarder ends the link
             while True:
                 kind, value = await _read_frame(reader)
                 if kind == "submit":
                     self.requests += 1
+                    started[value["request_id"]] = time.monotonic()
                     try:
                         await self._replica.submit(value)
                     except Exception as exc:  # noqa: BLE001 - refused (shutting down): its stream hears it
@@ -137,16 +160,25 @@ class LinkServer:
             pass  # the ingress went away: cancelling the forwarder aborts its requests here (mux)
         except asyncio.CancelledError:
             pass  # closed by us (shutdown)
+        except Exception:  # noqa: BLE001 - a bad frame ends this link, never the replica
+            logger.exception("engine link from %s failed", writer.get_extra_info("peername"))
         finally:
             if forward is not None:
                 forward.cancel()
                 await asyncio.gather(forward, return_exceptions=True)
+                for rid, t0 in started.items():  # cut off with the link: the replica aborts them
+                    _log_access(rid, "CANCELLED", t0)
             writer.close()
             self._connections.discard(asyncio.current_task())
 
-    async def _forward(self, ingress_id: str, writer: asyncio.StreamWriter) -> None:
+    async def _forward(self, ingress_id: str, writer: asyncio.StreamWriter, started: dict[str, float]) -> None:
         async for batch in self._hub.subscribe(ingress_id, idle_end_s=None):
             writer.write(_frame(_portable(batch)))
+            for rid, message, exc in batch:
+                if exc is not None or message.get("finish_reason") is not None:
+                    t0 = started.pop(rid, None)
+                    if t0 is not None:
+                        _log_access(rid, "OK" if exc is None else "ERROR", t0)
             await writer.drain()  # a slow ingress holds its own batches back, nothing else
 
     async def close(self) -> None:
@@ -254,6 +286,7 @@ class LinkTransport:
                                                     CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
             raise Unavailable(f"engine replica {replica_id} at {address} unreachable: {exc}") from None
+        _keepalive(writer.get_extra_info("socket"))
         writer.write(self._token + _frame(("hello", self._ingress_id)))
         link = self._links[replica_id] = _Link(replica_id, reader, writer)
         return link

@@ -27,6 +27,8 @@ INFO 2026-11-22 01:26:10,000 slotserve_EngineReplica bbb r3 -- CALL model_info O
 INFO 2026-11-22 01:26:12,000 slotserve_EngineReplica bbb r4 -- CALL generate ERROR 4500.0ms
 INFO 2026-11-22 01:26:12,100 slotserve_EngineReplica bbb r5 -- CALL submit OK 1.0ms
 INFO 2026-11-22 01:26:13,000 slotserve_EngineReplica bbb r6 -- CALL subscribe OK 6000.0ms
+INFO 2026-11-22 01:26:14,000 slotserve_EngineReplica bbb -- LINK 6f94488976c54b46 OK 6500.0ms
+INFO 2026-11-22 01:26:14,100 slotserve_EngineReplica bbb -- LINK 0241 CANCELLED 1000.0ms
 """
 
 
@@ -44,10 +46,11 @@ def test_serve_log_lines_are_read(tmp_path):
     stopping, stopped = replica_stop_times(tmp_path, "bbb")
     assert (stopping, stopped) == (_t("2026-11-22 01:26:08,000"), _t("2026-11-22 01:26:12,500"))
     calls = engine_calls(tmp_path, "slotserve", "bbb")
-    assert [c[2] for c in calls] == ["OK", "OK", "OK", "ERROR", "OK"]  # by start; model_info is not a request
-    # r1 ended before the stop; r2 (started 01:26:06), r4 (started 01:26:07.5) and the
-    # subscription r6 (started 01:26:07) spanned it.
-    assert [c[2] for c in calls_across(calls, stopping)] == ["OK", "OK", "ERROR"]
+    # by start; model_info is not a request; linked requests have their own lines
+    assert [c[2] for c in calls] == ["OK", "OK", "OK", "ERROR", "OK", "OK", "CANCELLED"]
+    # r1 ended before the stop; r2 (started 01:26:06), r4 (started 01:26:07.5), the
+    # subscription r6 (started 01:26:07) and the linked one (started 01:26:07.5) spanned it.
+    assert [c[2] for c in calls_across(calls, stopping)] == ["OK", "OK", "ERROR", "OK"]
 
 
 def test_outcome_is_complete_only_with_every_token():
