@@ -220,15 +220,19 @@ class _Link:
             self.writer.close()
 
 
-Chooser = Callable[[dict], "tuple[str, str] | None"]
+Chooser = Callable[[dict, frozenset], "tuple[str, str] | None"]
+AVOID_S = 30.0
+"""A replica whose link failed is not chosen again for this long: the router's view (Serve's)
+still lists a dead replica for a while, and the requests it lost resume at once."""
 
 
 class LinkTransport:
     """``mux.MuxTransport`` over engine links; ``serve`` (a ``HandleEngineClient``) carries the rest.
 
-    ``choose(request)``: ``(replica_id, link address)`` from the slot-aware router, or None when
-    it has no replica with a link yet; then the request goes through Serve (``submit_linked``),
-    which answers with the replica's address, and its outputs still come over the link.
+    ``choose(request, avoid)``: ``(replica_id, link address)`` from the slot-aware router, among
+    replicas not in ``avoid``; None when it has none with a link (yet); then the request goes
+    through Serve (``submit_linked``), which answers with the replica's address, and its outputs
+    still come over the link.
     """
 
     def __init__(self, serve: Any, token: str, choose: Chooser) -> None:
@@ -240,15 +244,23 @@ class LinkTransport:
         self._links: dict[str, _Link] = {}
         self._opening: dict[str, asyncio.Future] = {}
         self._ingress_id: str | None = None
+        self._failed: dict[str, float] = {}  # replica id -> when its link failed
+
+    def _avoid(self) -> frozenset:
+        now = time.monotonic()
+        for rid in [rid for rid, t in self._failed.items() if now - t > AVOID_S]:
+            del self._failed[rid]
+        return frozenset(self._failed)
 
     async def submit(self, request: dict) -> str:
         self._ingress_id = request["ingress_id"]
-        choice = self._choose(request)
+        choice = self._choose(request, self._avoid())
         if choice is None:
             replica_id, address = await self._serve.submit_linked(request)
             self._addresses[replica_id] = address
             return replica_id
-        replica_id, self._addresses[choice[0]] = choice
+        replica_id, address = choice
+        self._addresses[replica_id] = address
         link = await self._link(replica_id)
         link.send("submit", request)
         return replica_id
@@ -256,8 +268,12 @@ class LinkTransport:
     async def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list[Item]]:
         self._ingress_id = ingress_id
         link = await self._link(replica_id)
-        async for batch in link.batches():
-            yield batch
+        try:
+            async for batch in link.batches():
+                yield batch
+        except Unavailable:
+            self._failed[replica_id] = time.monotonic()
+            raise
 
     async def abort_on(self, request_id: str, replica_id: str) -> bool:
         link = self._links.get(replica_id)
@@ -285,6 +301,7 @@ class LinkTransport:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
                                                     CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
+            self._failed[replica_id] = time.monotonic()
             raise Unavailable(f"engine replica {replica_id} at {address} unreachable: {exc}") from None
         _keepalive(writer.get_extra_info("socket"))
         writer.write(self._token + _frame(("hello", self._ingress_id)))

@@ -8,8 +8,9 @@ all its requests on that replica from one long-lived subscription, one batch per
 step: a replica with 64 running requests sends one message per step, not 64.
 
 ``ReplicaHub`` is the replica's side (plain asyncio, no Ray: tested in-process); the
-ingress's side is ``MuxEngineClient`` over a ``MuxTransport`` (Serve handles in
-``deployments.ingress``, in-process replicas in tests). A stream looks exactly like the
+ingress's side is ``MuxEngineClient`` over a ``MuxTransport`` (engine links in
+``deployments.link``, the default; Serve handles in ``deployments.ingress``; in-process
+replicas in tests). A stream looks exactly like the
 one-call-per-request stream to the frontend: messages, the last one finished, errors
 raised where they happened (a replica that dies raises in every stream it was serving,
 which the frontend resumes elsewhere).

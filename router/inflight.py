@@ -33,16 +33,17 @@ def take_finished(request_id: str) -> bool:
 
 # The slot-aware router of each engine deployment in this process, for engine links
 # (deployments.link): they route on the same loads and counts as Serve's calls do.
-_choosers: dict[str, Callable[[dict], "tuple[str, str] | None"]] = {}
+Chooser = Callable[[dict, frozenset], "tuple[str, str] | None"]
+_choosers: dict[str, Chooser] = {}
 
 
-def offer_chooser(deployment: str, choose: Callable[[dict], "tuple[str, str] | None"]) -> None:
+def offer_chooser(deployment: str, choose: Chooser) -> None:
     """Called by the router of ``deployment`` ("<app>#<name>") once it knows its replicas."""
     _choosers[deployment] = choose
 
 
-def choose(deployment: str, request: dict) -> "tuple[str, str] | None":
-    """``(replica_id, link address)`` for ``request``, or None: no router here yet, or no replica
-    with a link (the caller goes through Serve)."""
+def choose(deployment: str, request: dict, avoid: frozenset = frozenset()) -> "tuple[str, str] | None":
+    """``(replica_id, link address)`` for ``request``, not one of the replica ids in ``avoid``; None:
+    no router here yet, or no such replica with a link (the caller goes through Serve)."""
     chooser = _choosers.get(deployment)
-    return chooser(request) if chooser is not None else None
+    return chooser(request, avoid) if chooser is not None else None

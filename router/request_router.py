@@ -168,12 +168,13 @@ class SlotAwareRequestRouter(RequestRouter):
             _note(request, ranking.reason)
         return ranking, loads
 
-    def choose_for_link(self, request: dict) -> tuple[str, str] | None:
-        """The replica for ``request`` among those with an engine link (``deployments.link``), and
-        its address; None when none has one yet. Counted as sent, like a request Serve routes."""
+    def choose_for_link(self, request: dict, avoid: frozenset = frozenset()) -> tuple[str, str] | None:
+        """The replica for ``request`` among those with an engine link (``deployments.link``) and an
+        id not in ``avoid``, and its address; None when there is none. Counted as sent, like a
+        request Serve routes."""
         with self._lock:
-            linked = [r for r in self._live
-                      if isinstance(r.routing_stats, Mapping) and isinstance(r.routing_stats.get("link"), str)]
+            linked = [r for r in self._live if r.replica_id.unique_id not in avoid
+                      and isinstance(r.routing_stats, Mapping) and isinstance(r.routing_stats.get("link"), str)]
             if not linked:
                 return None
             ranking, loads = self._rank(linked, request)

@@ -17,6 +17,7 @@ from deployments.errors import Unavailable
 from deployments.link import LinkTransport, _frame, check_token, new_token
 from deployments.mux import MuxEngineClient
 from deployments.replica import EngineReplica
+from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
 from tests.fake_engine import FakeAsyncEngine
 from tests.serving_helpers import run, wait_idle, wait_load
@@ -43,10 +44,11 @@ class RoundRobin:
     def __init__(self, reps) -> None:
         self.reps, self.calls, self.ready = reps, 0, True
 
-    def __call__(self, request: dict):
-        if not self.ready:
+    def __call__(self, request: dict, avoid: frozenset):
+        reps = [r for r in self.reps if r.replica_id not in avoid]
+        if not self.ready or not reps:
             return None
-        rep = self.reps[self.calls % len(self.reps)]
+        rep = reps[self.calls % len(reps)]
         self.calls += 1
         return rep.replica_id, rep.record_routing_stats()["link"]
 
@@ -128,6 +130,25 @@ def test_a_lost_link_raises_in_its_streams_and_aborts_their_requests():
     run(main())
 
 
+def test_a_replica_whose_link_failed_is_not_chosen_while_the_router_still_lists_it():
+    async def main():
+        reps, chooser, transport, client = await _linked(2)
+        lost = client.generate(_request(0, max_tokens=LONG))  # round robin: the first replica
+        await lost.__anext__()
+        await reps[0]._link.close()  # its process is gone, as far as links go
+        with pytest.raises(Unavailable):
+            async for _ in lost:
+                pass
+        # The router (here: the round-robin chooser) still lists both; the next requests avoid it.
+        for i in range(1, 4):
+            tokens, _ = await _tokens(client.generate(_request(i)))
+            assert len(tokens) == 12
+        assert reps[0].record_routing_stats()["link_requests"] == 1
+        assert reps[1].record_routing_stats()["link_requests"] == 3
+        await _shutdown(reps)
+    run(main())
+
+
 def test_a_replica_shutting_down_ends_its_link_after_draining():
     async def main():
         reps, _, _, client = await _linked(1)
@@ -137,7 +158,7 @@ def test_a_replica_shutting_down_ends_its_link_after_draining():
         messages = [m async for m in stream]
         assert messages[-1]["finish_reason"] == "abort"
         await stopping
-        with pytest.raises(Unavailable):  # refused: nobody listens any more
+        with pytest.raises((Unavailable, EngineDeadError)):  # its link is closed, and Serve's way refuses
             await _tokens(client.generate(_request(1)))
     run(main())
 
@@ -146,7 +167,7 @@ def test_an_unreachable_replica_fails_the_request_with_unavailable():
     async def main():
         token = new_token()
         transport = LinkTransport(LocalEngineClient(_replicas(token)), token,
-                                  lambda request: ("gone", "127.0.0.1:9"))  # nothing listens on port 9
+                                  lambda request, avoid: ("gone", "127.0.0.1:9"))  # nothing listens on port 9
         client = MuxEngineClient(transport)
         with pytest.raises(Unavailable, match="unreachable"):
             await _tokens(client.generate(_request(0)))
