@@ -83,6 +83,53 @@ def drive(engine, requests: list[BenchRequest], progress: Callable[[int], None])
                "kv_blocks_total": after.kv_blocks_total, "block_size": after.block_size})
 
 
+def run_async_engine(requests: list[BenchRequest], settings: BenchSettings,
+                     progress: Callable[[int], None]) -> SystemRun:
+    """The same engine behind ``AsyncEngine`` (its loop thread, asyncio streams), in this process:
+    what a served engine replica runs, without Ray, Serve or any network."""
+    import asyncio
+
+    from benchmarks.served_system import engine_options
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_options(settings.model_dir, **engine_options(settings))
+    traces = {r.request_id: RequestTrace(r.request_id, r.arrival_s, r.output_len, len(r.prompt_token_ids))
+              for r in requests}
+    occupancy: list[tuple[float, float]] = []
+
+    async def one(r: BenchRequest, t0: float, trace: RequestTrace | None) -> None:
+        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+        stream = engine.generate(list(r.prompt_token_ids), exact_params(r.output_len), request_id=r.request_id)
+        async for out in stream:
+            if trace is not None:
+                t = time.perf_counter() - t0
+                trace.add(t, len(out.new_token_ids))
+                stats = engine.stats()
+                occupancy.append((t, stats.running / stats.max_num_seqs))
+        if trace is not None:
+            progress(1)
+
+    async def run_all(batch: list[BenchRequest], timed: bool) -> None:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(r, t0, traces[r.request_id] if timed else None) for r in batch))
+
+    try:
+        asyncio.run(run_all(warmup_requests(engine.vocab_size), timed=False))
+        before = engine.stats()
+        asyncio.run(run_all(requests, timed=True))
+        after = engine.stats()
+    finally:
+        engine.shutdown()
+    last = max((t.messages[-1][0] for t in traces.values() if t.messages), default=0.0)
+    return SystemRun(
+        list(traces.values()), last, after.num_generated_tokens - before.num_generated_tokens, sorted(occupancy),
+        preemptions=after.num_preemptions - before.num_preemptions,
+        prefix_cache_queries=after.prefix_cache_queries - before.prefix_cache_queries,
+        prefix_cache_hits=after.prefix_cache_hits - before.prefix_cache_hits,
+        notes={"steps": after.num_steps - before.num_steps,
+               "kv_blocks_total": after.kv_blocks_total, "block_size": after.block_size})
+
+
 def run_continuous(requests: list[BenchRequest], settings: BenchSettings,
                    progress: Callable[[int], None]) -> SystemRun:
     return drive(make_engine(settings, "continuous"), requests, progress)

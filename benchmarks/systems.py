@@ -87,6 +87,11 @@ register_system(SystemSpec(
     "paged cache sized like the engine's",
     "benchmarks.hf_peers:run_hf_generate_batch"))
 register_system(SystemSpec(
+    "async_engine", "slotserve, AsyncEngine",
+    "the continuous system's engine behind AsyncEngine (its step-loop thread and asyncio streams) in the "
+    "benchmark's process: what an engine replica runs, without Ray, Serve or a network",
+    "benchmarks.engine_systems:run_async_engine"))
+register_system(SystemSpec(
     "served", "slotserve, served (gRPC)",
     "the served application on a local Ray: gRPC streaming clients -> Serve's gRPC proxy -> Router ingress -> "
     "engine link -> one EngineReplica with the continuous system's engine options",

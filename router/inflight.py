@@ -1,4 +1,5 @@
-"""Requests an ingress has submitted and seen finish, for the routers of its process.
+"""Requests an ingress has submitted and seen finish, for the routers of its process; and
+those routers, for the ingress's engine links (deployments.link), which route without a Serve call.
 
 With deployments.mux a submit call ends as soon as its request starts, so the router cannot
 tell from Serve's callbacks when the request stops taking a slot; the ingress says so here.

@@ -176,6 +176,46 @@ def test_calls_without_a_prompt_take_no_slot():
     assert counts == {"r0": 8, "r1": 8}
 
 
+def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
+    """deployments.link: the ingress asks this process's router (router.inflight.choose) directly."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router import inflight
+
+    router = _router()
+    stale = time.time() - 0.1
+
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.request_router import ReplicaID
+
+    def replica(name, stats, link):
+        rid = ReplicaID(unique_id=name, deployment_id=DeploymentID(name="engine", app_name="app"))
+        return SimpleNamespace(replica_id=rid, routing_stats={**stats, **link})
+
+    replicas = [replica("cached", _stats(8, prefix_routing_keys(PROMPT, BS), stale), {"link": "10.0.0.1:4000"}),
+                replica("idle", _stats(0, updated_at=stale), {"link": "10.0.0.2:4000"}),
+                replica("no-link", _stats(0, updated_at=stale), {})]  # not serving links (yet)
+    inflight._choosers.pop("app#engine", None)
+    assert inflight.choose("app#engine", {"request_id": "x", "prompt_token_ids": PROMPT}) is None  # no router yet
+    async def update():  # as Serve does, on its router loop (which also starts probing them)
+        router.update_replicas(replicas)
+
+    asyncio.run(update())
+    request = {"request_id": "l0", "prompt_token_ids": PROMPT}
+    assert inflight.choose("app#engine", request) == ("cached", "10.0.0.1:4000")
+    assert request["routing"]["reason"] == "prefix"  # noted for the replica's trace, as Serve's calls are
+    # A burst without a shared prefix spreads over the linked replicas, counting its own sends.
+    chosen = [inflight.choose("app#engine", {"request_id": f"l{i}", "prompt_token_ids": OTHER_PROMPT})[0]
+              for i in range(1, 17)]
+    assert chosen.count("idle") == 12 and chosen.count("cached") == 4  # 8 + 4 = 0 + 12
+    # A replica the ingress could not reach is passed over; none left: Serve's way.
+    assert inflight.choose("app#engine", {"request_id": "y", "prompt_token_ids": PROMPT},
+                           avoid=frozenset({"cached"}))[0] == "idle"
+    assert inflight.choose("app#engine", {"request_id": "z", "prompt_token_ids": PROMPT},
+                           avoid=frozenset({"cached", "idle"})) is None
+
+
 @pytest.mark.parametrize("args", [[], [None], ["text"], [{"prompt": "x"}], [{"prompt_token_ids": "abc"}]])
 def test_requests_without_token_ids_get_no_prefix(args):
     from types import SimpleNamespace
