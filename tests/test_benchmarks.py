@@ -389,3 +389,24 @@ def test_served_app_runs_the_workload_through_grpc(tmp_path, capsys):
     assert [t["status"] in ("reached", "missed") for t in results["targets"][-2:]] == [True, True]
     assert "slotserve, served (gRPC)" in stdout and "added TTFT" in stdout
     assert "| slotserve, served (gRPC) |" in (tmp_path / "r.md").read_text()
+
+
+def test_async_engine_system_runs_every_request_to_its_length(tmp_path):
+    from benchmarks.engine_systems import run_async_engine, run_continuous
+    from benchmarks.models import make_tiny_model_dir, model_vocab_size
+    from benchmarks.systems import BenchSettings
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    settings = BenchSettings(model_dir=str(model_dir), max_num_seqs=4, num_kv_blocks=256)
+    requests = build_requests(get_workload("tiny"), model_vocab_size(model_dir))
+    done = []
+    run = run_async_engine(requests, settings, done.append)
+    asked = {r.request_id: r.output_len for r in requests}
+    assert {t.request_id: t.output_tokens for t in run.traces} == asked and len(done) == len(requests)
+    assert run.computed_tokens == sum(asked.values())
+    # The stepped engine's work: its requests may join a step or two later (they cross a thread).
+    stepped = run_continuous(requests, settings, lambda n: None)
+    assert stepped.notes["steps"] <= run.notes["steps"] <= stepped.notes["steps"] + len(requests)
+    assert run.preemptions == stepped.preemptions == 0
+    assert all(0 < t.ttft_s <= t.e2e_s for t in run.traces)
+    assert 0 < max(o for _, o in run.occupancy) <= 1
