@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.metrics import SystemRun
-from benchmarks.served_client import (added_ttft, engine_probe_ttft, percentiles_50_90, probe_requests, run_streams,
+from benchmarks.served_client import (added_ttft, engine_probe_ttft, percentiles, probe_requests, run_streams,
                                       served_probe_ttft)
 from benchmarks.systems import BenchSettings
 from benchmarks.workloads import BenchRequest, warmup_requests
+from deployments.ingress_env import ingress_env
 
 APP_NAME = "slotserve"
 READY_TIMEOUT_S = 300.0
@@ -168,14 +169,15 @@ class TreeRss:
 class ServedApp:
     """A local Ray with Serve (gRPC + HTTP on free ports) running build_app with one replica.
 
-    ``direct``: Serve's direct ingress, the clients reach the ingress replica itself (its own
-    free ports) instead of Serve's proxy; ``link``: the ingress reaches the engine replica over an
+    ``ingress``: how the clients reach the ingress replica (deployments.ingress_env: Serve's
+    proxy, HAProxy, or the replica's own ports); ``link``: the ingress reaches the engine replica over an
     engine link (deployments.link, the default) or else Serve calls. Ray's environment is restored on exit."""
 
-    def __init__(self, model_dir: str, settings: BenchSettings, *, direct: bool = False, link: bool = True) -> None:
+    def __init__(self, model_dir: str, settings: BenchSettings, *, ingress: str = "proxy", link: bool = True) -> None:
         self.model_dir = model_dir
         self.settings = settings
-        self.direct = direct
+        self.ingress = ingress
+        self.direct = ingress == "direct"
         self.link = link
         self.grpc_port = self.http_port = 0
         self.startup_s = 0.0
@@ -186,12 +188,10 @@ class ServedApp:
         return f"127.0.0.1:{self.grpc_port}"
 
     def _set_env(self) -> None:
-        """SERVE_ENV (and direct ingress on the client ports) for the processes Ray starts."""
-        from deployments.app import SERVE_ENV, direct_ingress_env
+        """SERVE_ENV and the ingress mode's environment, for the processes Ray starts."""
+        from deployments.app import SERVE_ENV
 
-        env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV}
-        if self.direct:
-            env.update(direct_ingress_env(self.grpc_port, self.http_port))
+        env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **ingress_env(self.ingress, self.grpc_port, self.http_port)}
         self._saved_env = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
 
@@ -335,24 +335,29 @@ def _delta(after: dict, before: dict, key: str) -> int:
 
 def run_served(requests: list[BenchRequest], settings: BenchSettings,
                progress: Callable[[int], None]) -> SystemRun:
-    return _run(requests, settings, progress, direct=False)
+    return _run(requests, settings, progress, ingress="proxy")
 
 
 def run_served_direct(requests: list[BenchRequest], settings: BenchSettings,
                       progress: Callable[[int], None]) -> SystemRun:
-    return _run(requests, settings, progress, direct=True)
+    return _run(requests, settings, progress, ingress="direct")
 
 
 def run_served_calls(requests: list[BenchRequest], settings: BenchSettings,
                      progress: Callable[[int], None]) -> SystemRun:
-    return _run(requests, settings, progress, direct=False, link=False)
+    return _run(requests, settings, progress, ingress="proxy", link=False)
+
+
+def run_served_haproxy(requests: list[BenchRequest], settings: BenchSettings,
+                       progress: Callable[[int], None]) -> SystemRun:
+    return _run(requests, settings, progress, ingress="haproxy")
 
 
 def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callable[[int], None], *,
-         direct: bool, link: bool = True) -> SystemRun:
+         ingress: str, link: bool = True) -> SystemRun:
     with tempfile.TemporaryDirectory(prefix="slotserve-served-") as scratch:
         model_dir = with_tokenizer(settings.model_dir, Path(scratch))
-        with TreeRss() as rss, ServedApp(model_dir, settings, direct=direct, link=link) as app:
+        with TreeRss() as rss, ServedApp(model_dir, settings, ingress=ingress, link=link) as app:
             vocab_size = _vocab_size(model_dir)
             run_streams(app.target, warmup_requests(vocab_size))
             before, cpu_before = app.engine_stats(), per_process(cpu_seconds)
@@ -365,8 +370,8 @@ def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callab
         engine_ttft = _in_process_probe(engine_options(settings), model_dir)
     added = added_ttft(served_ttft, engine_ttft)
     # gRPC client minus the direct handle call, per request: the proxy + ingress share of it.
-    added["proxy_and_ingress_s"] = percentiles_50_90([a - b for a, b in zip(served_ttft, handle_ttft)])
-    added["replica_handle_ttft_s"] = percentiles_50_90(handle_ttft)
+    added["proxy_and_ingress_s"] = percentiles([a - b for a, b in zip(served_ttft, handle_ttft)])
+    added["replica_handle_ttft_s"] = percentiles(handle_ttft)
     return SystemRun(
         traces, makespan, _delta(after, before, "num_generated_tokens"), occupancy,
         preemptions=_delta(after, before, "num_preemptions"),
@@ -378,10 +383,13 @@ def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callab
                "cpu_by_process": cpu_by_process(cpu_before, cpu_after,
                                                 _delta(after, before, "num_generated_tokens")),
                "peak_rss_tree_bytes": rss.peak_bytes, "processes_at_peak_rss": rss.processes_at_peak,
-               "startup_s": startup_s, "direct_ingress": direct, "engine_link": link,
-               "transport": "gRPC (grpc.aio client, one channel) -> " + ("" if direct else "Serve proxy -> ")
+               "startup_s": startup_s, "ingress": ingress, "engine_link": link,
+               "transport": "gRPC (grpc.aio client, one channel) -> " + _FRONT[ingress]
                             + "Router ingress -> " + ("engine link -> " if link else "")
                             + "EngineReplica (1 replica)"})
+
+
+_FRONT = {"proxy": "Serve proxy -> ", "haproxy": "HAProxy -> ", "direct": ""}
 
 
 def _vocab_size(model_dir: str) -> int:

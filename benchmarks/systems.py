@@ -106,9 +106,14 @@ register_system(SystemSpec(
     "the served application with engine_link: false, as before engine links: the ingress submits each "
     "request with a Serve call and reads the replica over a Serve stream",
     "benchmarks.served_system:run_served_calls"))
+register_system(SystemSpec(
+    "served_haproxy", "slotserve, via HAProxy",
+    "the same application in Ray Serve's HAProxy mode: gRPC streaming clients -> HAProxy (C, one per node, "
+    "following Serve's ingress replicas) -> Router ingress replica's own gRPC server -> engine link -> one EngineReplica",
+    "benchmarks.served_system:run_served_haproxy"))
 
 BASELINE = "continuous"
-DEFAULT_SYSTEMS = ("continuous", "static", "hf_generate", "hf_generate_batch", "served")
+DEFAULT_SYSTEMS = ("continuous", "static", "hf_generate", "hf_generate_batch", "served", "served_haproxy")
 
 
 def parse_systems(text: str | None) -> list[str]:

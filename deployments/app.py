@@ -51,38 +51,6 @@ Set for the whole cluster, not per deployment: a runtime_env would cost every re
 few seconds."""
 
 
-DIRECT_INGRESS_PORTS = 16  # ports per protocol for ingress replicas on one node (restarts included)
-
-
-def direct_ingress_env(grpc_port: int, http_port: int, *, draining_s: float = 1.0) -> dict[str, str]:
-    """Serve's direct ingress: the ingress replicas serve gRPC and HTTP themselves, with no proxy
-    hop in front (a whole Serve call per streamed message and 4-6 ms of TTFT, docs/BENCHMARKS.md).
-
-    Serve hands each ingress replica on a node the lowest free port of a range, so the first one
-    gets exactly ``grpc_port`` / ``http_port`` and the next ones the ports after them. Set it,
-    like ``SERVE_ENV``, before Ray starts. Serve still runs one proxy on the head node (give it
-    other ports). ``draining_s``: how long a stopping ingress replica keeps its ports open for a
-    load balancer to notice (Serve's default, 30 s, is for cloud balancers).
-    """
-    ranges = {"grpc_port": (grpc_port, grpc_port + DIRECT_INGRESS_PORTS - 1),
-              "http_port": (http_port, http_port + DIRECT_INGRESS_PORTS - 1)}
-    n = DIRECT_INGRESS_PORTS
-    for name, (low, high) in ranges.items():
-        if not 1024 <= low or high > 65535:
-            raise ValueError(f"{name}: direct ingress uses {low}..{high}; allowed: 1024..{65536 - n}")
-    (g_low, g_high), (h_low, h_high) = ranges.values()
-    if g_low <= h_high and h_low <= g_high:
-        raise ValueError(f"grpc_port {grpc_port} and http_port {http_port}: direct ingress uses {n} ports "
-                         f"from each, and these overlap; keep them {n} apart")
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(g_low), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(g_high),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(h_low), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(h_high),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": f"{draining_s:g}",
-            # Serve holds a freed port back for 150 s, for HAProxy's old workers; clients here
-            # dial the port itself, so a restarted ingress replica must get the same one back.
-            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
-
-
 def frontend_config(cfg: AppConfig) -> FrontendConfig:
     return FrontendConfig(served_model_name=cfg.model_name, model=cfg.model, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_prompt_chars=cfg.max_prompt_chars, default_max_tokens=cfg.default_max_tokens,

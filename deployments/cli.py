@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from deployments.ingress_env import INGRESS_MODES, INGRESS_NAMES, default_ingress, ingress_env
+
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 DEFAULT_TARGET = "127.0.0.1:9000"
 
@@ -140,11 +142,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for key in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):  # HTTPS; fail here, not in the proxy
         if http.get(key) and not Path(http[key]).is_file():
             raise ValueError(f"http_options.{key}: {http[key]} is not a file")
-    from deployments.app import SERVE_ENV, direct_ingress_env
+    from deployments.app import SERVE_ENV
 
-    env, client_ports = dict(SERVE_ENV), (grpc_options["port"], http["port"])
-    if args.direct_ingress:  # the ingress replica takes the configured ports; Serve's proxy others
-        env.update(direct_ingress_env(grpc_options["port"], http["port"]))
+    tls = bool(http.get("ssl_certfile"))
+    ingress = args.ingress or default_ingress(tls)
+    if ingress == "haproxy" and tls:
+        raise ValueError("http_options.ssl_certfile: HAProxy mode serves plain HTTP; for HTTPS use --ingress "
+                         "proxy or direct")
+    client_ports = grpc_options["port"], http["port"]
+    env = {**SERVE_ENV, **ingress_env(ingress, *client_ports)}
+    if ingress == "direct":  # the ingress replica takes the configured ports; Serve's proxy others
         http, grpc_options = {**http, "port": _free_port()}, {**grpc_options, "port": _free_port()}
     http_options, grpc_serve_options = HTTPOptions(**http), gRPCOptions(**grpc_options)
     for key, value in env.items():  # the local cluster's processes inherit it
@@ -159,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       blocking=False)
         host, scheme = http["host"], "https" if http.get("ssl_certfile") else "http"
         grpc_port, http_port = client_ports
-        print(f"slotserve is up{' (direct ingress: no proxy hop)' if args.direct_ingress else ''}:\n"
+        print(f"slotserve is up (ingress: {INGRESS_NAMES[ingress]}):\n"
               f"  gRPC  {host}:{grpc_port} (slotserve.v1.SlotServe, "
               f"grpc.health.v1.Health; plaintext, on all interfaces)\n"
               f"  HTTP  {scheme}://{host}:{http_port}/v1 (OpenAI API)\n"
@@ -202,10 +209,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     s.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
     s.add_argument("--metrics-port", type=int, help="Ray's Prometheus metrics port (default: Ray picks a free one)")
-    s.add_argument("--direct-ingress", action="store_true",
-                   help="clients reach the ingress replica on the gRPC and HTTP ports with no Serve proxy in "
-                        "front (Serve's direct ingress; faster, docs/BENCHMARKS.md); more ingress replicas take "
-                        "the next ports")
+    s.add_argument("--ingress", choices=INGRESS_MODES,
+                   help="what takes the client ports: haproxy (Ray Serve's HAProxy mode: HAProxy forwards to the "
+                        "ingress replicas' own servers; the default, or proxy when http_options has a certificate), "
+                        "proxy (Serve's Python proxy), direct (the ingress replica itself, no hop; more ingress "
+                        "replicas take the next ports). docs/SERVING.md")
+    s.add_argument("--direct-ingress", dest="ingress", action="store_const", const="direct",
+                   help="the same as --ingress direct")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion over gRPC")

@@ -15,10 +15,16 @@ def build(args):  # the config's import_path: stands in for deployments.app:buil
 
 @pytest.fixture
 def stubbed_serve(monkeypatch):
+    import os
+
     import ray
     from ray import serve
 
-    calls: dict = {}
+    # The CLI sets Ray's environment in this process: keep it from the tests that follow.
+    for key in [k for k in os.environ if k.startswith("RAY_SERVE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    calls: dict = {"env": os.environ}
     monkeypatch.setattr(ray, "init", lambda **kw: calls.setdefault("init", kw))
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(ray, "nodes", lambda: [{"MetricsExportPort": 0}])
@@ -52,7 +58,25 @@ def test_serve_passes_tls_files_to_the_http_proxy(tmp_path, stubbed_serve, capsy
     assert (http.host, http.port, http.ssl_certfile, http.ssl_keyfile, http.request_timeout_s) == \
         ("127.0.0.1", 8443, str(cert), str(key), 30)
     assert stubbed_serve["start"]["grpc_options"].port == 9443 and stubbed_serve["run"][0] == ("app built from", {})
-    assert "https://127.0.0.1:8443/v1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "https://127.0.0.1:8443/v1" in out and "ingress: Serve's proxy" in out  # HAProxy mode is plain HTTP
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in stubbed_serve["env"]
+
+
+def test_haproxy_takes_the_client_ports_by_default(tmp_path, stubbed_serve, capsys):
+    assert main(["serve", "--config", _config(tmp_path, {})]) == 0
+    assert stubbed_serve["env"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    start = stubbed_serve["start"]  # HAProxy binds where Serve's proxy would
+    assert (start["http_options"].port, start["grpc_options"].port) == (8443, 9443)
+    assert "ingress: HAProxy" in capsys.readouterr().out
+
+
+def test_haproxy_with_a_certificate_is_refused_naming_the_field(tmp_path, stubbed_serve, capsys):
+    cert, key = self_signed_cert(tmp_path)
+    config = _config(tmp_path, {"ssl_certfile": str(cert), "ssl_keyfile": str(key)})
+    assert main(["serve", "--config", config, "--ingress", "haproxy"]) == 2
+    err = capsys.readouterr().err
+    assert "http_options.ssl_certfile" in err and "--ingress proxy" in err and "init" not in stubbed_serve
 
 
 @pytest.mark.parametrize("http_options, error", [
@@ -66,14 +90,10 @@ def test_serve_refuses_bad_tls_options_before_ray_starts(tmp_path, stubbed_serve
     assert error in capsys.readouterr().err and "init" not in stubbed_serve
 
 
-def test_direct_ingress_gives_the_ingress_the_configured_ports(tmp_path, stubbed_serve, capsys):
-    import os
-    from unittest import mock
-
-    with mock.patch.dict(os.environ):  # the CLI sets Ray's environment in this process
-        os.environ.pop("RAY_SERVE_ENABLE_DIRECT_INGRESS", None)
-        assert main(["serve", "--config", _config(tmp_path, {}), "--direct-ingress"]) == 0
-        env = dict(os.environ)
+@pytest.mark.parametrize("flag", [["--direct-ingress"], ["--ingress", "direct"]])
+def test_direct_ingress_gives_the_ingress_the_configured_ports(tmp_path, stubbed_serve, capsys, flag):
+    assert main(["serve", "--config", _config(tmp_path, {}), *flag]) == 0
+    env = stubbed_serve["env"]
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]) == \
         ("9443", "8443")

@@ -162,6 +162,21 @@ def test_every_ray_container_has_the_serve_environment(name, rendered):
 
 
 @pytest.mark.parametrize("name", CI_NAMES)
+def test_every_ray_container_has_its_ingress_modes_environment(name, rendered):
+    """HAProxy mode is set on every pod, as deployments.ingress_env.haproxy_env sets it for the CLI."""
+    from deployments.app import SERVE_ENV
+    from deployments.ingress_env import haproxy_env
+
+    values = ci_values(name)
+    mode = values.get("serve", {}).get("ingress", "haproxy")
+    rs = the(documents(rendered[name]), "RayService")
+    for group, template in pod_templates(rs).items():
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0].get("env", [])}
+        ray_serve = {k: v for k, v in env.items() if k.startswith("RAY_SERVE_") and k not in SERVE_ENV}
+        assert ray_serve == (haproxy_env(draining_s=5) if mode == "haproxy" else {}), (group, ray_serve)
+
+
+@pytest.mark.parametrize("name", CI_NAMES)
 def test_every_ray_container_knows_its_node(name, rendered):
     """NODE_NAME from the downward API: the GPU info metric's node label (deployments.nvml)."""
     rs = the(documents(rendered[name]), "RayService")

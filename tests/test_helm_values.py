@@ -22,6 +22,7 @@ from tests.helm_chart import (CHART_DIR, ROOT, chart, render, rendered, the)
     ({"upgradeStrategy": "Rolling"}, "upgradeStrategy"),
     ({"image": {"digest": "latest"}}, "digest"),
     ({"initializingTimeout": "soon"}, "initializingTimeout"),
+    ({"serve": {"ingress": "nginx"}}, "ingress"),
     ({"replica": {"numCpus": 0}}, "numCpus"),
     ({"workerGroups": [{"name": "GPU", "minReplicas": 0, "maxReplicas": 1}]}, "name"),
     ({"containerSecurityContext": {"allowPrivilegeEscalation": True, "capabilities": {"drop": ["ALL"]}}},
@@ -40,6 +41,7 @@ def test_bad_value_fails_the_schema_naming_it(chart, values, named):
     ({"replica": {"numCpus": 9}}, "no worker group can hold one engine replica"),
     ({"extraAppArgs": {"drain_timeout_s": 5}}, "extraAppArgs.drain_timeout_s"),
     ({"fullnameOverride": "1st-serving"}, "must start with a letter"),
+    ({"tls": {"existingSecret": "certs"}}, "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP"),
 ])
 def test_inconsistent_values_fail_rendering(chart, values, message):
     with pytest.raises(HelmRenderError, match=re.escape(message)):

@@ -21,7 +21,6 @@ from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
 from tests.fake_engine import FakeAsyncEngine
 from tests.serving_helpers import run, wait_idle, wait_load
-from tests.waits import async_wait_until
 
 LONG = 2000  # tokens: runs until the test ends it
 

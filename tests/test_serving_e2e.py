@@ -53,17 +53,18 @@ class Service:
         return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module", params=["proxy", "direct"])
+@pytest.fixture(scope="module", params=["proxy", "haproxy", "direct"])
 def service(request, tiny_model_dir):
-    """Clients reach the ingress through Serve's proxy, or straight (Serve's direct ingress), and
-    the ingress the engines then over engine links (deployments.link): Serve's path, or the fast one."""
-    from deployments.app import direct_ingress_env
+    """Clients reach the ingress through Serve's proxy, HAProxy, or straight (Serve's direct
+    ingress; deployments.ingress_env). Behind the proxy the ingress reaches the engines with
+    Serve calls (engine_link: false); on the fast paths over engine links (deployments.link)."""
+    from deployments.ingress_env import ingress_env
 
     app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
            "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "routing": "slot_aware",
-           "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2, "engine_link": request.param == "direct"}
+           "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2, "engine_link": request.param != "proxy"}
     direct = Ports(free_port(), free_port()) if request.param == "direct" else None
-    env = direct_ingress_env(direct.grpc, direct.http) if direct else None
+    env = ingress_env(request.param, direct.grpc, direct.http) if direct else ingress_env(request.param, 0, 0)
     with served_app(app, env=env) as proxy:
         ports = direct or proxy
         svc = Service(ports.http, ports.grpc)
@@ -168,11 +169,21 @@ def test_requests_reach_the_engines_over_links_only_on_the_fast_path(service):
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     stats = [ray.get(ray.get_actor(n, namespace="serve").record_routing_stats.remote(), timeout=30) for n in names]
     assert len(stats) == 2
-    if service.mode == "direct":  # the tests above ran their requests over links
+    if service.mode != "proxy":  # the tests above ran their requests over links
         assert all(s["link"].rsplit(":", 1)[1].isdigit() for s in stats)
         assert sum(s["link_requests"] for s in stats) >= 8
     else:
         assert not any("link" in s for s in stats)
+
+
+def test_the_client_ports_belong_to_the_modes_listener(service):
+    import psutil
+
+    owners = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    expected = {"proxy": "ray::ProxyActor", "haproxy": "haproxy", "direct": "ray::ServeReplica:slotserve:Router"}
+    for port in (service.grpc_port, service.http_port):
+        command = " ".join(psutil.Process(owners[port]).cmdline())
+        assert expected[service.mode] in command, (service.mode, port, command)
 
 
 def test_cancelled_stream_and_deadlines_free_the_slot(service):
@@ -275,6 +286,13 @@ def test_health_info_tokenize_and_cli(service, offline, capsys):
     assert tok.count == len(tok.token_ids) > 0
     load = service.stub.GetLoad(pb.GetLoadRequest(), timeout=10)
     assert len(load.replicas) == 2 and load.total_slots == 8 and all(r.healthy for r in load.replicas)
+    # Server reflection (grpcurl without the .proto, as the chart's NOTES show) on every ingress.
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    reply = next(reflection_pb2_grpc.ServerReflectionStub(service.channel).ServerReflectionInfo(iter([ask]),
+                                                                                                timeout=10))
+    assert "slotserve.v1.SlotServe" in [s.name for s in reply.list_services_response.service]
 
     from deployments.cli import main
 
@@ -285,7 +303,8 @@ def test_health_info_tokenize_and_cli(service, offline, capsys):
 
 
 def test_a_restarted_ingress_serves_on_the_same_ports(service):
-    """Last here: it kills the Router replica. With direct ingress its ports are the clients'."""
+    """Last here: it kills the Router replica. With direct ingress its ports are the clients';
+    with HAProxy, HAProxy must follow the new replica's."""
     import ray
 
     from tests.ray_cluster import APP

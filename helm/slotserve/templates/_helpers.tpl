@@ -142,4 +142,11 @@ threads). tests/test_helm.py checks the two agree.
   value: "1"
 - name: PYTHONNODEBUGRANGES
   value: "1"
+{{- if eq .Values.serve.ingress "haproxy" }}
+{{- /* deployments.ingress_env.haproxy_env */}}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+  value: {{ .Values.serve.ingressDrainingSeconds | toString | quote }}
+{{- end }}
 {{- end }}

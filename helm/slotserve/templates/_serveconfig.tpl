@@ -82,6 +82,9 @@ Checks the schema cannot express: they compare values with each other.
 */}}
 {{- define "slotserve.validate" -}}
 {{- $v := .Values }}
+{{- if and $v.tls.existingSecret (eq $v.serve.ingress "haproxy") }}
+{{- fail "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP; set serve.ingress: proxy for HTTPS, or terminate TLS in front of the Service" }}
+{{- end }}
 {{- if gt (int $v.autoscaling.minReplicas) (int $v.autoscaling.maxReplicas) }}
 {{- fail (printf "autoscaling.minReplicas (%v) must not exceed autoscaling.maxReplicas (%v)" $v.autoscaling.minReplicas $v.autoscaling.maxReplicas) }}
 {{- end }}
