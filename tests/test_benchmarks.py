@@ -145,7 +145,7 @@ def test_harness_end_to_end_on_a_tiny_model(tmp_path, capsys):
         assert results["systems"][name]["preemptions"] == 0
         assert results["systems"][name]["computed_tokens"] == sum(asked.values())
     assert set(results["ratios"]) == {"static", "hf_generate", "hf_generate_batch"}
-    assert len(results["targets"]) == 6
+    assert len(results["targets"]) == 7  # the served app judged too (n/a here): share, TTFT p50, p99
     assert results["profile"] is None
     env = results["environment"]
     assert env["torch_threads"] == 1 and env["torch"] and env["transformers"]
