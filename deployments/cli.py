@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.ingress_env import INGRESS_MODES, INGRESS_NAMES, default_ingress, ingress_env
+from deployments.ingress_env import DEFAULT_INGRESS, INGRESS_MODES, INGRESS_NAMES, ingress_env
 
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 DEFAULT_TARGET = "127.0.0.1:9000"
@@ -145,7 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from deployments.app import SERVE_ENV
 
     tls = bool(http.get("ssl_certfile"))
-    ingress = args.ingress or default_ingress(tls)
+    ingress = args.ingress or DEFAULT_INGRESS
     if ingress == "haproxy" and tls:
         raise ValueError("http_options.ssl_certfile: HAProxy mode serves plain HTTP; for HTTPS use --ingress "
                          "proxy or direct")

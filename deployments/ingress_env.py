@@ -16,6 +16,9 @@ Set the environment before Ray starts: the controller and replicas read it at im
 from __future__ import annotations
 
 INGRESS_MODES = ("proxy", "haproxy", "direct")
+# Serve's proxy for now: with HAProxy mode, deleting the app at shutdown has been seen to hang
+# (``slotserve serve`` stopped by SIGTERM waited over a minute), so it stays opt-in.
+DEFAULT_INGRESS = "proxy"
 INGRESS_NAMES = {"proxy": "Serve's proxy", "haproxy": "HAProxy", "direct": "direct ingress, no proxy hop"}
 DIRECT_INGRESS_PORTS = 16  # ports per protocol for ingress replicas on one node (restarts included)
 
@@ -54,12 +57,6 @@ def direct_ingress_env(grpc_port: int, http_port: int, *, draining_s: float = 1.
             # Serve holds a freed port back for 150 s, for HAProxy's old workers; clients here
             # dial the port itself, so a restarted ingress replica must get the same one back.
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
-
-
-def default_ingress(tls: bool) -> str:
-    """Serve's proxy for now: with HAProxy mode, deleting the app at shutdown has been seen to
-    hang (``slotserve serve`` stopped by SIGTERM waited over a minute), so it stays opt-in."""
-    return "proxy"
 
 
 def ingress_env(mode: str, grpc_port: int, http_port: int) -> dict[str, str]:
