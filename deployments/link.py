@@ -11,9 +11,11 @@ still builds, scales, health-checks and routes everything else (the first reques
 the router has heard from any replica, ``model_info``, loads, drains).
 
 Frames are a 4-byte length and a pickle, as Ray's own calls are: the link listens on the
-node's address like Ray's ports do, and a connection is served only once it has sent the
-application's random token (``new_token``), compared in constant time before anything is
-unpickled.
+node's address like Ray's ports do, and no frame is unpickled on either side before both have
+proved they hold the application's random token (``new_token``): each sends a fresh nonce and
+an HMAC of both nonces under the token, so the token never crosses the wire and a recorded
+handshake cannot be replayed. Both sides probe an idle connection (TCP keepalive), and the
+replica bounds what a stalled ingress can make it buffer.
 
 ``LinkServer`` is the replica's side (over its ``mux.ReplicaHub``), ``LinkTransport`` the
 ingress's (a ``mux.MuxTransport``); both are plain asyncio, tested over loopback without Ray.
@@ -22,81 +24,43 @@ ingress's (a ``mux.MuxTransport``); both are plain asyncio, tested over loopback
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
-import pickle
 import secrets
 import socket
-import struct
 import time
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from deployments.errors import Unavailable
+from deployments.link_wire import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, check_token, frame, frames, keepalive,
+                                   mac, new_token, portable, read_frame)
 from deployments.mux import Item, ReplicaHub
+
+__all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTransport", "check_token", "new_token"]
 
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("ray.serve")
 """One line per linked request as it ends (``LINK <request id> OK|ERROR|CANCELLED <ms>ms``), in the
 replica's Serve log beside Serve's own ``CALL`` lines, which linked requests no longer make."""
 
-TOKEN_BYTES = 16
-LINK_TOKEN_ENV = "SLOTSERVE_LINK_TOKEN"
-"""Where ``build_app`` takes the token from (hex, 32 digits) before making one up."""
 HELLO_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
-MAX_FRAME_BYTES = 256 << 20  # a 2 MB prompt is ~2 MB of token ids pickled; far below this
-_HEADER = struct.Struct("!I")
+MAX_BACKLOG_ITEMS = 1 << 16
+WRITE_STALL_S = 30.0
+"""An ingress that leaves this many outputs unread, or takes no bytes for this long, is stalled: its
+link is closed and its requests here aborted (it resumes them elsewhere), instead of the replica
+buffering for it without bound."""
 
 
-def new_token() -> str:
-    """The application's link token (hex): made once by ``build_app``, given to both sides."""
-    return secrets.token_hex(TOKEN_BYTES)
-
-
-def check_token(token: str) -> None:
+async def _settle(task: asyncio.Task) -> None:
+    """Wait for a cancelled task; an error it ended with is logged, not lost."""
     try:
-        if len(bytes.fromhex(token)) == TOKEN_BYTES:
-            return
-    except (TypeError, ValueError):
+        await task
+    except asyncio.CancelledError:
         pass
-    raise ValueError(f"the engine link token ({LINK_TOKEN_ENV}) must be {2 * TOKEN_BYTES} hex digits")
-
-
-def _frame(obj: Any) -> bytes:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size > MAX_FRAME_BYTES:
-        raise ConnectionError(f"link frame of {size} bytes (at most {MAX_FRAME_BYTES})")
-    return pickle.loads(await reader.readexactly(size))
-
-
-def _portable(batch: list[Item]) -> list[Item]:
-    """The batch with every error one the other side can unpickle (the message, at least)."""
-    out = []
-    for rid, message, exc in batch:
-        if exc is not None:
-            try:
-                pickle.loads(pickle.dumps(exc))
-            except Exception:  # noqa: BLE001 - an exception class pickle cannot rebuild
-                exc = Unavailable(f"{type(exc).__name__}: {exc}")
-        out.append((rid, message, exc))
-    return out
-
-
-def _keepalive(sock: socket.socket | None) -> None:
-    """Probe an idle link: a replica whose node vanished sends no FIN, and its streams would wait
-    for their deadlines; with these they fail (and resume elsewhere) within ~25 s."""
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
-                        ("TCP_USER_TIMEOUT", 25_000)):  # ms; the same bound while data is unacknowledged
-        if hasattr(socket, name):  # Linux; elsewhere the system's defaults
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except Exception:  # noqa: BLE001 - already ending; say why
+        logger.exception("engine link task failed")
 
 
 def _log_access(request_id: str, status: str, since: float) -> None:
@@ -112,8 +76,9 @@ class Replica(Protocol):
 
 
 class LinkServer:
-    """A replica's link endpoint: ``("hello", ingress_id)``, then ``("submit", request)`` and
-    ``("abort", request_id)`` frames in; batches of ``(request_id, message, error)`` out."""
+    """A replica's link endpoint: the handshake and ``("hello", ingress_id)``, then
+    ``("submit", request)`` and ``("abort", request_id)`` frames in; batches of
+    ``(request_id, message, error)`` out."""
 
     def __init__(self, replica: Replica, hub: ReplicaHub, token: str, host: str = "127.0.0.1") -> None:
         check_token(token)
@@ -126,67 +91,101 @@ class LinkServer:
             f"[{host}]:{self._sock.getsockname()[1]}"
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
+        self._by_ingress: dict[str, asyncio.Task] = {}  # the connection serving each ingress
         self.requests = 0  # submitted over links (reported with the routing stats)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, sock=self._sock)
 
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
+        """The ingress's id once it proved it holds the token; None (logged) when it did not."""
+        ingress_nonce = await asyncio.wait_for(reader.readexactly(NONCE_BYTES), HELLO_TIMEOUT_S)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        writer.write(nonce + mac(self._token, b"replica", ingress_nonce, nonce))
+        proof = await asyncio.wait_for(reader.readexactly(MAC_BYTES), HELLO_TIMEOUT_S)
+        if not hmac.compare_digest(proof, mac(self._token, b"ingress", ingress_nonce, nonce)):
+            logger.warning("engine link from %s refused: wrong token", writer.get_extra_info("peername"))
+            return None
+        kind, ingress_id = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+        return ingress_id if kind == "hello" and isinstance(ingress_id, str) else None
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections.add(asyncio.current_task())
+        me = asyncio.current_task()
+        self._connections.add(me)
+        keepalive(writer.get_extra_info("socket"))  # an ingress whose node vanished sends no FIN either
         forward: asyncio.Task | None = None
+        ingress_id: str | None = None
+        started: dict[str, float] = {}  # request id -> when it came, until it ends
         try:
-            token = await asyncio.wait_for(reader.readexactly(len(self._token)), HELLO_TIMEOUT_S)
-            if not hmac.compare_digest(token, self._token):
-                logger.warning("engine link from %s refused: wrong token", writer.get_extra_info("peername"))
+            ingress_id = await self._handshake(reader, writer)
+            if ingress_id is None:
                 return
-            kind, ingress_id = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
-            if kind != "hello" or not isinstance(ingress_id, str):
-                return
-            started: dict[str, float] = {}  # request id -> when it came, until it ends
+            # An ingress opens a new link only once it gave up the old one (and resumed its streams
+            # elsewhere): the old connection, if still open here, is stale. End it first, so its
+            # requests are aborted rather than adopted by the new one and run twice.
+            stale = self._by_ingress.get(ingress_id)
+            self._by_ingress[ingress_id] = me
+            if stale is not None:
+                stale.cancel()
+                await _settle(stale)
             forward = asyncio.create_task(self._forward(ingress_id, writer, started))
             forward.add_done_callback(lambda _: writer.close())  # a broken forwarder ends the link
             while True:
-                kind, value = await _read_frame(reader)
+                kind, value = await read_frame(reader)
                 if kind == "submit":
-                    self.requests += 1
-                    started[value["request_id"]] = time.monotonic()
-                    try:
-                        await self._replica.submit(value)
-                    except Exception as exc:  # noqa: BLE001 - refused (shutting down): its stream hears it
-                        writer.write(_frame(_portable([(value.get("request_id"), None, exc)])))
+                    await self._submit(value, writer, started)
                 elif kind == "abort":
                     self._replica.abort(value)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, TimeoutError):
-            pass  # the ingress went away: cancelling the forwarder aborts its requests here (mux)
+        except (asyncio.IncompleteReadError, OSError, asyncio.TimeoutError):
+            pass  # the ingress went away (or its keepalive expired): cancelling the forwarder aborts its requests
         except asyncio.CancelledError:
-            pass  # closed by us (shutdown)
+            pass  # closed by us (shutdown, or replaced by a newer link of its ingress)
         except Exception:  # noqa: BLE001 - a bad frame ends this link, never the replica
             logger.exception("engine link from %s failed", writer.get_extra_info("peername"))
         finally:
             if forward is not None:
                 forward.cancel()
-                await asyncio.gather(forward, return_exceptions=True)
+                await _settle(forward)
                 for rid, t0 in started.items():  # cut off with the link: the replica aborts them
                     _log_access(rid, "CANCELLED", t0)
+            if ingress_id is not None and self._by_ingress.get(ingress_id) is me:
+                del self._by_ingress[ingress_id]
             writer.close()
-            self._connections.discard(asyncio.current_task())
+            self._connections.discard(me)
+
+    async def _submit(self, request: dict, writer: asyncio.StreamWriter, started: dict[str, float]) -> None:
+        self.requests += 1
+        started[request["request_id"]] = time.monotonic()
+        try:
+            await self._replica.submit(request)
+        except Exception as exc:  # noqa: BLE001 - refused (shutting down): its stream hears it
+            started.pop(request["request_id"], None)
+            writer.write(frame(portable([(request.get("request_id"), None, exc)])))
 
     async def _forward(self, ingress_id: str, writer: asyncio.StreamWriter, started: dict[str, float]) -> None:
-        async for batch in self._hub.subscribe(ingress_id, idle_end_s=None):
-            writer.write(_frame(_portable(batch)))
-            for rid, message, exc in batch:
-                if exc is not None or message.get("finish_reason") is not None:
-                    t0 = started.pop(rid, None)
-                    if t0 is not None:
-                        _log_access(rid, "OK" if exc is None else "ERROR", t0)
-            await writer.drain()  # a slow ingress holds its own batches back, nothing else
+        async with contextlib.aclosing(self._hub.subscribe(ingress_id, idle_end_s=None)) as batches:
+            async for batch in batches:
+                if len(batch) > MAX_BACKLOG_ITEMS:
+                    logger.warning("ingress %s left %d outputs unread: closing its link", ingress_id, len(batch))
+                    return
+                writer.write(frames(batch))
+                for rid, message, exc in batch:
+                    if exc is not None or message.get("finish_reason") is not None:
+                        t0 = started.pop(rid, None)
+                        if t0 is not None:
+                            _log_access(rid, "OK" if exc is None else "ERROR", t0)
+                try:  # a slow ingress holds its own batches back, nothing else
+                    await asyncio.wait_for(writer.drain(), WRITE_STALL_S)
+                except (asyncio.TimeoutError, TimeoutError):
+                    logger.warning("ingress %s took nothing for %.0f s: closing its link", ingress_id, WRITE_STALL_S)
+                    return
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
         for task in list(self._connections):
             task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+            await _settle(task)
         if self._server is None:
             self._sock.close()
 
@@ -203,13 +202,13 @@ class _Link:
     def send(self, kind: str, value: Any) -> None:
         if self.closed:
             raise Unavailable(f"the link to engine replica {self.replica_id} is closed")
-        self.writer.write(_frame((kind, value)))
+        self.writer.write(frame((kind, value)))
 
     async def batches(self) -> AsyncIterator[list[Item]]:
         try:
             while True:
-                yield await _read_frame(self.reader)
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                yield await read_frame(self.reader)
+        except (asyncio.IncompleteReadError, OSError) as exc:  # OSError: also a keepalive's ETIMEDOUT
             raise Unavailable(f"engine replica {self.replica_id} closed its link ({type(exc).__name__})") from None
         finally:
             self.close()
@@ -269,11 +268,18 @@ class LinkTransport:
         self._ingress_id = ingress_id
         link = await self._link(replica_id)
         try:
-            async for batch in link.batches():
-                yield batch
+            async with contextlib.aclosing(link.batches()) as batches:
+                async for batch in batches:
+                    yield batch
         except Unavailable:
-            self._failed[replica_id] = time.monotonic()
+            self._lost(replica_id)
             raise
+
+    def _lost(self, replica_id: str) -> None:
+        self._failed[replica_id] = time.monotonic()
+        self._addresses.pop(replica_id, None)  # the router or Serve gives it again if it lives
+        if replica_id in self._links and self._links[replica_id].closed:
+            del self._links[replica_id]
 
     async def abort_on(self, request_id: str, replica_id: str) -> bool:
         link = self._links.get(replica_id)
@@ -300,13 +306,34 @@ class LinkTransport:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
                                                     CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
-            self._failed[replica_id] = time.monotonic()
-            raise Unavailable(f"engine replica {replica_id} at {address} unreachable: {exc}") from None
-        _keepalive(writer.get_extra_info("socket"))
-        writer.write(self._token + _frame(("hello", self._ingress_id)))
+        except (OSError, asyncio.TimeoutError) as exc:
+            self._lost(replica_id)
+            raise Unavailable(f"engine replica {replica_id} at {address} unreachable: {exc!r}") from None
+        keepalive(writer.get_extra_info("socket"))
+        try:
+            await asyncio.wait_for(self._handshake(reader, writer), CONNECT_TIMEOUT_S)
+        except BaseException as exc:
+            writer.close()
+            if isinstance(exc, (OSError, asyncio.IncompleteReadError)):  # OSError: also the timeout
+                self._lost(replica_id)
+                raise Unavailable(f"engine replica {replica_id} at {address}: handshake failed ({exc!r})") from None
+            if isinstance(exc, Unavailable):
+                self._lost(replica_id)
+            raise
         link = self._links[replica_id] = _Link(replica_id, reader, writer)
         return link
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Prove the token to the replica, and have it prove the token first (nothing it sends is
+        unpickled before that)."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        writer.write(nonce)
+        answer = await reader.readexactly(NONCE_BYTES + MAC_BYTES)
+        replica_nonce, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+        if not hmac.compare_digest(proof, mac(self._token, b"replica", nonce, replica_nonce)):
+            raise Unavailable(f"{writer.get_extra_info('peername')} does not hold this application's "
+                              "engine link token")
+        writer.write(mac(self._token, b"ingress", nonce, replica_nonce) + frame(("hello", self._ingress_id)))
 
     # -- the rest of the engine client, through Serve
 

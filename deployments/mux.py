@@ -48,6 +48,7 @@ class _Channel:
         self.items: list[Item] = []
         self.ready = asyncio.Event()
         self.pumps: dict[str, asyncio.Task] = {}
+        self.unstarted: dict[str, dict] = {}  # submitted, pump not run yet: request id -> request
         self.subscriber: object | None = None  # the open subscription, if any
         self.last_seen = time.monotonic()  # last time a subscription read or a request arrived
 
@@ -67,15 +68,31 @@ class ReplicaHub:
     def __init__(self, start: Callable[[dict], AsyncIterator[dict]]) -> None:
         self._start = start
         self._channels: dict[str, _Channel] = {}
+        self._unstarted: dict[str, _Channel] = {}
         self._reaper: asyncio.Task | None = None
 
     def submit(self, request: dict) -> None:
         channel = self._channel(request["ingress_id"])
         channel.last_seen = time.monotonic()
         rid = request["request_id"]
+        channel.unstarted[rid] = request
+        self._unstarted[rid] = channel
         channel.pumps[rid] = asyncio.get_running_loop().create_task(self._pump(channel, rid, request))
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_orphans())
+
+    def abort_unstarted(self, request_id: str) -> bool:
+        """Abort a request submitted but not yet handed to the engine (its submit and abort came in
+        one read): it ends with finish_reason "abort" and never runs. False: not waiting here."""
+        channel = self._unstarted.pop(request_id, None)
+        if channel is None:
+            return False
+        request = channel.unstarted.pop(request_id)
+        task = channel.pumps.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+        channel.push((request_id, aborted_message(request), None))
+        return True
 
     def _channel(self, ingress_id: str) -> _Channel:
         channel = self._channels.get(ingress_id)
@@ -84,6 +101,8 @@ class ReplicaHub:
         return channel
 
     async def _pump(self, channel: _Channel, rid: str, request: dict) -> None:
+        channel.unstarted.pop(rid, None)
+        self._unstarted.pop(rid, None)
         stream = self._start(request)
         try:
             async for message in stream:
@@ -124,8 +143,7 @@ class ReplicaHub:
                     yield batch
         except (GeneratorExit, asyncio.CancelledError):
             if channel.subscriber is me:  # the ingress went away: its requests here have no reader
-                for task in list(channel.pumps.values()):
-                    task.cancel()
+                self._cut(channel, f"the stream of ingress {ingress_id} to this engine replica was cut")
             raise
         finally:
             if channel.subscriber is me:
@@ -133,6 +151,16 @@ class ReplicaHub:
                 channel.last_seen = time.monotonic()
                 if not channel.pumps and not channel.items and self._channels.get(ingress_id) is channel:
                     del self._channels[ingress_id]
+
+    def _cut(self, channel: _Channel, reason: str) -> None:
+        """Abort every request of ``channel``, each leaving an error in it: a request whose submit was
+        still under way when the stream broke is waited for by the ingress's next subscription."""
+        for rid, task in list(channel.pumps.items()):
+            task.cancel()
+            self._unstarted.pop(rid, None)
+            channel.unstarted.pop(rid, None)
+            channel.pumps.pop(rid, None)
+            channel.push((rid, None, Unavailable(f"{reason}; request {rid} aborted")))
 
     async def _reap_orphans(self) -> None:
         while True:
@@ -144,8 +172,7 @@ class ReplicaHub:
                 if channel.pumps:
                     logger.warning("ingress %s has not read its %d streams for %.0f s: aborting them",
                                    ingress, len(channel.pumps), ORPHAN_S)
-                for task in list(channel.pumps.values()):
-                    task.cancel()
+                self._cut(channel, f"no ingress read these streams for {ORPHAN_S:.0f} s")
                 del self._channels[ingress]
 
     def close(self) -> None:
@@ -221,6 +248,13 @@ class _MuxStream:
             self.abort()
             self._done = True
             self._client._forget(self)
+
+
+def aborted_message(request: dict) -> dict:
+    """The last message of a request aborted before the engine saw it (``replica.stream_message``'s form)."""
+    return {"token_ids": [], "finish_reason": "abort", "logprobs": None,
+            "num_prompt_tokens": len(request.get("prompt_token_ids", ())), "num_output_tokens": 0,
+            "num_cached_tokens": 0}
 
 
 def merge_messages(first: dict, later: dict) -> dict:

@@ -197,6 +197,8 @@ class EngineReplica:
         """Abort by server request id (or ``{"request_id": ...}``, the form a pinned handle call
         carries); the stream then ends with finish_reason "abort". False: not running here."""
         request_id = request["request_id"] if isinstance(request, dict) else request
+        if self._hub.abort_unstarted(request_id):  # its submit came in the same read, just before
+            return True
         if request_id not in self._active:
             return False
         self._engine.abort(request_id)

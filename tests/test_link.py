@@ -14,7 +14,8 @@ import pytest
 
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
-from deployments.link import LinkTransport, _frame, check_token, new_token
+from deployments.link import LinkTransport, check_token, new_token
+from deployments.link_wire import frame
 from deployments.mux import MuxEngineClient
 from deployments.replica import EngineReplica
 from engine.errors import EngineDeadError
@@ -184,9 +185,11 @@ def test_a_connection_without_the_token_is_refused_before_anything_is_unpickled(
                 return (pytest.fail, ("a frame from a peer without the token was unpickled",))
 
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"\0" * 16 + _frame(("hello", "x")) + pickle.dumps(Boom()))
+        # A nonce, a proof made without the token, then frames that would fail the test if unpickled.
+        writer.write(b"\1" * 16 + b"\0" * 32 + frame(("hello", "x")) + pickle.dumps(Boom()))
         await writer.drain()
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing sent
+        answer = await asyncio.wait_for(reader.read(), 5)
+        assert len(answer) == 16 + 32  # the replica's nonce and proof, then it closed
         writer.close()
         await _shutdown(reps)
     run(main())
