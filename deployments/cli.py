@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.ingress_env import DEFAULT_INGRESS, INGRESS_MODES, INGRESS_NAMES, ingress_env
+from deployments.ingress_env import INGRESS_MODES, INGRESS_NAMES, claim_client_ports, default_ingress, ingress_env
 
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 DEFAULT_TARGET = "127.0.0.1:9000"
@@ -145,11 +145,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from deployments.app import SERVE_ENV
 
     tls = bool(http.get("ssl_certfile"))
-    ingress = args.ingress or DEFAULT_INGRESS
+    ingress = args.ingress or default_ingress(tls)
     if ingress == "haproxy" and tls:
         raise ValueError("http_options.ssl_certfile: HAProxy mode serves plain HTTP; for HTTPS use --ingress "
                          "proxy or direct")
     client_ports = grpc_options["port"], http["port"]
+    for pid in claim_client_ports(http["host"], {"grpc_options.port": client_ports[0],
+                                                 "http_options.port": client_ports[1]}):
+        print(f"stopped HAProxy pid {pid}, left holding the client ports by a slotserve serve that was killed",
+              file=sys.stderr, flush=True)
     env = {**SERVE_ENV, **ingress_env(ingress, *client_ports)}
     if ingress == "direct":  # the ingress replica takes the configured ports; Serve's proxy others
         http, grpc_options = {**http, "port": _free_port()}, {**grpc_options, "port": _free_port()}
@@ -211,8 +215,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, help="Ray's Prometheus metrics port (default: Ray picks a free one)")
     s.add_argument("--ingress", choices=INGRESS_MODES,
                    help="what takes the client ports: haproxy (Ray Serve's HAProxy mode: HAProxy forwards to the "
-                        "ingress replicas' own servers; faster, opt-in; plain HTTP only), "
-                        "proxy (Serve's Python proxy, the default), direct (the ingress replica itself, no hop; more ingress "
+                        "ingress replicas' own servers; the default, or proxy when http_options has a certificate), "
+                        "proxy (Serve's Python proxy), direct (the ingress replica itself, no hop; more ingress "
                         "replicas take the next ports). docs/SERVING.md")
     s.add_argument("--direct-ingress", dest="ingress", action="store_const", const="direct",
                    help="the same as --ingress direct")

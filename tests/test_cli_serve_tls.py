@@ -63,8 +63,8 @@ def test_serve_passes_tls_files_to_the_http_proxy(tmp_path, stubbed_serve, capsy
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in stubbed_serve["env"]
 
 
-def test_haproxy_takes_the_client_ports_when_asked(tmp_path, stubbed_serve, capsys):
-    assert main(["serve", "--config", _config(tmp_path, {}), "--ingress", "haproxy"]) == 0
+def test_haproxy_takes_the_client_ports_by_default(tmp_path, stubbed_serve, capsys):
+    assert main(["serve", "--config", _config(tmp_path, {})]) == 0
     assert stubbed_serve["env"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     start = stubbed_serve["start"]  # HAProxy binds where Serve's proxy would
     assert (start["http_options"].port, start["grpc_options"].port) == (8443, 9443)

@@ -168,7 +168,7 @@ def test_every_ray_container_has_its_ingress_modes_environment(name, rendered):
     from deployments.ingress_env import haproxy_env
 
     values = ci_values(name)
-    mode = values.get("serve", {}).get("ingress", "proxy")
+    mode = values.get("serve", {}).get("ingress", "haproxy")
     rs = the(documents(rendered[name]), "RayService")
     for group, template in pod_templates(rs).items():
         env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0].get("env", [])}

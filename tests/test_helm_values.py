@@ -41,7 +41,7 @@ def test_bad_value_fails_the_schema_naming_it(chart, values, named):
     ({"replica": {"numCpus": 9}}, "no worker group can hold one engine replica"),
     ({"extraAppArgs": {"drain_timeout_s": 5}}, "extraAppArgs.drain_timeout_s"),
     ({"fullnameOverride": "1st-serving"}, "must start with a letter"),
-    ({"tls": {"existingSecret": "certs"}, "serve": {"ingress": "haproxy"}}, "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP"),
+    ({"tls": {"existingSecret": "certs"}}, "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP"),
 ])
 def test_inconsistent_values_fail_rendering(chart, values, message):
     with pytest.raises(HelmRenderError, match=re.escape(message)):
