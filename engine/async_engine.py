@@ -77,8 +77,12 @@ def _merge(items: list[StreamOutput]) -> StreamOutput:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, launcher=None) -> None:
-        """``launcher``: starts tensor-parallel rank workers (see LLMEngine)."""
-        self.engine = LLMEngine(config, launcher)
+        """``launcher``: starts tensor-parallel rank workers (see LLMEngine).
+
+        The engine is built on the loop thread that steps it, so every torch op runs on one
+        thread: a second thread that has run a parallel op keeps a second OpenMP team, and with
+        more OpenMP threads than cores libgomp stops spin-waiting between parallel regions
+        (a default-model step on 2 cores took ~25 % longer; docs/BENCHMARKS.md)."""
         self.config = config
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -90,11 +94,17 @@ class AsyncEngine:
         self._stop = False
         # Time of the last finished step (or of going busy); None while idle: never stuck.
         self._progress_at: float | None = None
-        self._stats = self.engine.stats()
         self._digest: list[int] = []
         self._digest_time = 0.0
-        self._thread = threading.Thread(target=self._run, name="slotserve-engine-loop", daemon=True)
+        built = threading.Event()
+        failed: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(config, launcher, built, failed),
+                                        name="slotserve-engine-loop", daemon=True)
         self._thread.start()
+        built.wait()
+        if failed:
+            self._thread.join()
+            raise failed[0]
 
     @classmethod
     def from_options(cls, model: str, launcher=None, **options) -> "AsyncEngine":
@@ -160,7 +170,19 @@ class AsyncEngine:
         self._wake.set()
 
     # ------------------------------------------------------------------ loop thread
-    def _run(self) -> None:
+    def _build(self, config: EngineConfig, launcher, built: threading.Event, failed: list) -> bool:
+        try:
+            self.engine = LLMEngine(config, launcher)
+            self._stats = self.engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - raised in the constructor's thread
+            failed.append(exc)
+        finally:
+            built.set()
+        return not failed
+
+    def _run(self, config: EngineConfig, launcher, built: threading.Event, failed: list) -> None:
+        if not self._build(config, launcher, built, failed):
+            return
         try:
             while not self._stop:
                 # Clear before draining: an add that lands after the drain has set the event
