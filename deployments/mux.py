@@ -48,7 +48,6 @@ class _Channel:
         self.items: list[Item] = []
         self.ready = asyncio.Event()
         self.pumps: dict[str, asyncio.Task] = {}
-        self.unstarted: dict[str, dict] = {}  # submitted, pump not run yet: request id -> request
         self.subscriber: object | None = None  # the open subscription, if any
         self.last_seen = time.monotonic()  # last time a subscription read or a request arrived
 
@@ -68,15 +67,14 @@ class ReplicaHub:
     def __init__(self, start: Callable[[dict], AsyncIterator[dict]]) -> None:
         self._start = start
         self._channels: dict[str, _Channel] = {}
-        self._unstarted: dict[str, _Channel] = {}
+        self._unstarted: dict[str, tuple[_Channel, dict]] = {}  # submitted, pump not run yet
         self._reaper: asyncio.Task | None = None
 
     def submit(self, request: dict) -> None:
         channel = self._channel(request["ingress_id"])
         channel.last_seen = time.monotonic()
         rid = request["request_id"]
-        channel.unstarted[rid] = request
-        self._unstarted[rid] = channel
+        self._unstarted[rid] = channel, request
         channel.pumps[rid] = asyncio.get_running_loop().create_task(self._pump(channel, rid, request))
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_orphans())
@@ -84,10 +82,9 @@ class ReplicaHub:
     def abort_unstarted(self, request_id: str) -> bool:
         """Abort a request submitted but not yet handed to the engine (its submit and abort came in
         one read): it ends with finish_reason "abort" and never runs. False: not waiting here."""
-        channel = self._unstarted.pop(request_id, None)
-        if channel is None:
+        if request_id not in self._unstarted:
             return False
-        request = channel.unstarted.pop(request_id)
+        channel, request = self._unstarted.pop(request_id)
         task = channel.pumps.pop(request_id, None)
         if task is not None:
             task.cancel()
@@ -101,7 +98,6 @@ class ReplicaHub:
         return channel
 
     async def _pump(self, channel: _Channel, rid: str, request: dict) -> None:
-        channel.unstarted.pop(rid, None)
         self._unstarted.pop(rid, None)
         stream = self._start(request)
         try:
@@ -158,7 +154,6 @@ class ReplicaHub:
         for rid, task in list(channel.pumps.items()):
             task.cancel()
             self._unstarted.pop(rid, None)
-            channel.unstarted.pop(rid, None)
             channel.pumps.pop(rid, None)
             channel.push((rid, None, Unavailable(f"{reason}; request {rid} aborted")))
 
