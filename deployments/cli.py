@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from deployments.ingress_env import INGRESS_MODES, INGRESS_NAMES, claim_client_p
 
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 DEFAULT_TARGET = "127.0.0.1:9000"
+OWN_SESSION_ENV = "SLOTSERVE_SERVE_OWN_SESSION"
+"""Set in the process that runs ``serve`` in a session of its own (see ``supervise``)."""
 
 
 def _stub(target: str):
@@ -161,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for key, value in env.items():  # the local cluster's processes inherit it
         os.environ.setdefault(key, value)
     ray.init(num_cpus=args.num_cpus, include_dashboard=args.dashboard, _metrics_export_port=args.metrics_port)
+    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own: a stop drains like Ctrl-C
     try:
         serve.start(http_options=http_options, grpc_options=grpc_serve_options)
         for app in config["applications"]:
@@ -176,7 +180,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"  HTTP  {scheme}://{host}:{http_port}/v1 (OpenAI API)\n"
               f"  Prometheus metrics  http://127.0.0.1:{ray.nodes()[0]['MetricsExportPort']}/metrics "
               "(docs/OBSERVABILITY.md)\nCtrl-C stops it.", flush=True)
-        signal.signal(signal.SIGTERM, _interrupt)  # a supervisor's stop shuts down like Ctrl-C
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
@@ -242,7 +245,46 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def supervise(argv: list[str]) -> int:
+    """Run ``slotserve serve`` in a child process with a session of its own, and stop it
+    gracefully whatever stops this one.
+
+    The local Ray's daemons (GCS, raylet, HAProxy) would otherwise share the caller's process
+    group, and a signal to the whole group (``timeout``, a shell's job control) killed the GCS
+    together with the driver: the drain then waited 60 s for a GCS that was gone and left
+    Ray's HAProxy holding the client ports. Here only this process gets such a signal; it
+    passes SIGINT, SIGTERM and SIGHUP on as SIGTERM (the child's Ctrl-C path) and waits for
+    the drain. If this process dies, even by SIGKILL, the kernel sends the child SIGTERM
+    (Linux). A stop of the whole control group (systemd's default KillMode) still reaches
+    every process: use ``KillMode=mixed`` there."""
+    parent = os.getpid()
+
+    def preexec() -> None:  # in the child, before exec
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # this process died before the line above
+                os._exit(1)
+
+    child = subprocess.Popen([sys.executable, "-m", "deployments.cli", *argv], start_new_session=True,
+                             env={**os.environ, OWN_SESSION_ENV: "1"}, preexec_fn=preexec)
+
+    def forward(signum, frame) -> None:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
+    code = child.wait()
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; ``serve`` from it (``argv`` None) runs under ``supervise`` on POSIX.
+    Explicit ``argv`` (tests, embedding) runs every command in this process."""
+    if argv is None and sys.argv[1:2] == ["serve"] and os.name == "posix" and not os.environ.get(OWN_SESSION_ENV):
+        return supervise(sys.argv[1:])
     args = parser().parse_args(argv)
     try:
         return args.func(args)
