@@ -329,7 +329,8 @@ async def _next(stream: EngineStream, deadline: float | None) -> dict:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise asyncio.TimeoutError
-    return await asyncio.wait_for(stream.__anext__(), remaining)
+    async with asyncio.timeout(remaining):  # not wait_for: on 3.11 it can swallow a cancellation
+        return await stream.__anext__()
 
 
 def summarize_load(replicas: list[dict]) -> dict:

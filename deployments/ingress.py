@@ -115,7 +115,8 @@ class HandleEngineClient:
 
     async def _replica_stats(self, replica_id: str, actor) -> dict:
         try:
-            stats = await asyncio.wait_for(actor.record_routing_stats.remote(), LOAD_CALL_TIMEOUT_S)
+            async with asyncio.timeout(LOAD_CALL_TIMEOUT_S):
+                stats = await actor.record_routing_stats.remote()
         except Exception as exc:  # starting, stopping or dead: report it, unhealthy
             logger.info("load of replica %s unavailable: %s", replica_id, exc)
             return {"replica_id": replica_id, "healthy": False}

@@ -99,14 +99,17 @@ class LinkServer:
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
         """The ingress's id once it proved it holds the token; None (logged) when it did not."""
-        ingress_nonce = await asyncio.wait_for(reader.readexactly(NONCE_BYTES), HELLO_TIMEOUT_S)
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            ingress_nonce = await reader.readexactly(NONCE_BYTES)
         nonce = secrets.token_bytes(NONCE_BYTES)
         writer.write(nonce + mac(self._token, b"replica", ingress_nonce, nonce))
-        proof = await asyncio.wait_for(reader.readexactly(MAC_BYTES), HELLO_TIMEOUT_S)
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            proof = await reader.readexactly(MAC_BYTES)
         if not hmac.compare_digest(proof, mac(self._token, b"ingress", ingress_nonce, nonce)):
             logger.warning("engine link from %s refused: wrong token", writer.get_extra_info("peername"))
             return None
-        kind, ingress_id = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            kind, ingress_id = await read_frame(reader)
         return ingress_id if kind == "hello" and isinstance(ingress_id, str) else None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -174,8 +177,11 @@ class LinkServer:
                         t0 = started.pop(rid, None)
                         if t0 is not None:
                             _log_access(rid, "OK" if exc is None else "ERROR", t0)
-                try:  # a slow ingress holds its own batches back, nothing else
-                    await asyncio.wait_for(writer.drain(), WRITE_STALL_S)
+                # A slow ingress holds its own batches back, nothing else. Every timeout here is
+                # asyncio.timeout: 3.11's wait_for can swallow the cancellation that ends a link.
+                try:
+                    async with asyncio.timeout(WRITE_STALL_S):
+                        await writer.drain()
                 except (asyncio.TimeoutError, TimeoutError):
                     logger.warning("ingress %s took nothing for %.0f s: closing its link", ingress_id, WRITE_STALL_S)
                     return
@@ -304,14 +310,15 @@ class LinkTransport:
             raise Unavailable(f"no link address for engine replica {replica_id}")
         host, _, port = address.rpartition(":")
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
-                                                    CONNECT_TIMEOUT_S)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
         except (OSError, asyncio.TimeoutError) as exc:
             self._lost(replica_id)
             raise Unavailable(f"engine replica {replica_id} at {address} unreachable: {exc!r}") from None
         keepalive(writer.get_extra_info("socket"))
         try:
-            await asyncio.wait_for(self._handshake(reader, writer), CONNECT_TIMEOUT_S)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await self._handshake(reader, writer)
         except BaseException as exc:
             writer.close()
             if isinstance(exc, (OSError, asyncio.IncompleteReadError)):  # OSError: also the timeout

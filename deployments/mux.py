@@ -126,7 +126,8 @@ class ReplicaHub:
                 if not channel.items:
                     if not channel.pumps and idle_end_s is not None:
                         try:  # idle: wait a little for new requests, then end (see the module doc)
-                            await asyncio.wait_for(channel.ready.wait(), idle_end_s)
+                            async with asyncio.timeout(idle_end_s):
+                                await channel.ready.wait()
                         except (asyncio.TimeoutError, TimeoutError):
                             if not channel.pumps and not channel.items:
                                 return

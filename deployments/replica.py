@@ -37,6 +37,8 @@ from engine.errors import EngineDeadError
 from engine.outputs import StreamOutput, audit_records
 
 logger = logging.getLogger(__name__)
+serve_log = logging.getLogger("ray.serve")
+"""The replica's Serve log: the drain's steps stand beside Serve's own ("Drained ongoing requests")."""
 
 DEFAULT_ENGINE_CLASS = "engine.async_engine:AsyncEngine"
 PREFIX_DIGEST_ENTRIES = 4096
@@ -283,7 +285,10 @@ class EngineReplica:
         self._accepting = False
         if self._metrics_task is not None:
             self._metrics_task.cancel()
-        deadline = time.monotonic() + self._drain_timeout_s
+        started = time.monotonic()
+        serve_log.info("shutting down: draining %d running requests (up to %.0f s)", len(self._active),
+                    self._drain_timeout_s)
+        deadline = started + self._drain_timeout_s
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self._active:
@@ -304,6 +309,7 @@ class EngineReplica:
             self.tracing.shutdown()
         if self._gpus is not None:
             self._gpus.close()
+        serve_log.info("shut down in %.1f s", time.monotonic() - started)
 
 
 class ServeEngineReplica(EngineReplica):

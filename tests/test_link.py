@@ -14,9 +14,9 @@ import pytest
 
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
-from deployments.link import LinkTransport, check_token, new_token
+from deployments.link import LinkServer, LinkTransport, check_token, new_token
 from deployments.link_wire import frame
-from deployments.mux import MuxEngineClient
+from deployments.mux import MuxEngineClient, ReplicaHub
 from deployments.replica import EngineReplica
 from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
@@ -199,3 +199,33 @@ def test_a_connection_without_the_token_is_refused_before_anything_is_unpickled(
 def test_a_bad_token_is_refused_naming_the_setting(token):
     with pytest.raises(ValueError, match="SLOTSERVE_LINK_TOKEN.*32 hex digits"):
         check_token(token)
+
+
+
+def test_a_forwarder_cancelled_as_its_drain_finishes_ends():
+    """A replica's shutdown cancels its links' forwarders, often while they drain the last
+    outputs. ``asyncio.wait_for`` around that drain (Python 3.11) returned the drain's result
+    instead of raising when the cancellation came as the drain finished: the forwarder went
+    on waiting for outputs, ``LinkServer.close()`` never returned, and Serve could not delete
+    the app within its 60 s. The writer here cancels the forwarder from inside ``drain()``,
+    which is that moment, every time."""
+    class Writer:
+        forwarder: asyncio.Task
+
+        def write(self, data: bytes) -> None:
+            pass
+
+        async def drain(self) -> None:
+            self.forwarder.cancel()
+
+    async def main():
+        hub = ReplicaHub(lambda request: None)
+        server = LinkServer(replica=None, hub=hub, token=new_token())
+        writer = Writer()
+        writer.forwarder = asyncio.ensure_future(server._forward("ingress", writer, {}))
+        await asyncio.sleep(0)  # subscribed
+        hub._channel("ingress").push(("r0", {"token_ids": [1], "finish_reason": None}, None))
+        done, _ = await asyncio.wait([writer.forwarder], timeout=5)
+        assert done and writer.forwarder.cancelled(), "the forwarder went on after its cancellation"
+        server._sock.close()
+    run(main())
