@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.autoscale_load import (Clients, Monitor, calls_across, engine_calls, policy_decisions,
                                        replica_start, replica_stop_times, serve_log_dir)
+from deployments.ingress_env import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
@@ -94,12 +94,6 @@ def app_args(args) -> tuple[dict, str]:
     return app, "tiny random Llama" if args.quick and not args.model else app.get("model", "smollm2-135m")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(app: dict, num_cpus: int | None):
     """Local Ray + Serve (free ports) + the application; returns (serve, gRPC stub, channel)."""
     import grpc
@@ -117,8 +111,8 @@ def start(app: dict, num_cpus: int | None):
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    grpc_port = _free_port()
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=_free_port()),
+    grpc_port = free_port()
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=free_port()),
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
     serve.run(build_app(app), name="slotserve", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -32,18 +31,12 @@ from benchmarks.served_client import (added_ttft, engine_probe_ttft, percentiles
                                       served_probe_ttft)
 from benchmarks.systems import BenchSettings
 from benchmarks.workloads import BenchRequest, warmup_requests
-from deployments.ingress_env import ingress_env
+from deployments.ingress_env import free_port, ingress_env
 
 APP_NAME = "slotserve"
 READY_TIMEOUT_S = 300.0
 RSS_PERIOD_S = 0.5
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_options(settings: BenchSettings) -> dict:

