@@ -287,7 +287,7 @@ class EngineReplica:
             self._metrics_task.cancel()
         started = time.monotonic()
         serve_log.info("shutting down: draining %d running requests (up to %.0f s)", len(self._active),
-                    self._drain_timeout_s)
+                       self._drain_timeout_s)
         deadline = started + self._drain_timeout_s
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
