@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.memory import MemoryBudget, dummy_prefill, measure_peak, outside_torch_bytes, worst_case_sampling
 from engine.model import ModelArch, load_model
+from engine.model.layers import cpu_prepack_supported
 from engine.parallel import ParallelGroup
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledChunk
@@ -67,6 +68,9 @@ class ModelRunner:
                                       arch.head_dim, self.block_size, self.dtype)
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if cpu_prepack_supported(self.device, self.dtype):
+            # Decode steps run about max_num_seqs rows through every linear layer.
+            self.model.prepack(config.scheduler.max_num_seqs)
         self.num_layers = arch.num_layers
         self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs

@@ -190,9 +190,13 @@ def test_flash_backend_calls_match_dense_attention():
 CUDA = torch.device("cuda")  # a device name only: nothing here touches a GPU
 
 
-def test_auto_picks_a_flash_kernel_on_cuda_in_half_precision_and_torch_elsewhere(monkeypatch):
+def test_auto_picks_a_flash_kernel_on_cuda_in_half_precision_and_the_cpu_kernel_on_cpu(monkeypatch):
     monkeypatch.setattr("engine.attention._installed", lambda module: False)  # neither package, wherever this runs
-    assert resolve_backend("auto", CPU, torch.float32, 16, 64)[0] == "torch"
+    monkeypatch.setattr("engine.attention.cpu.compiler_problem", lambda: None)
+    assert resolve_backend("auto", CPU, torch.float32, 16, 64)[0] == "cpu"
+    monkeypatch.setattr("engine.attention.cpu.compiler_problem", lambda: "no C++ compiler")
+    name, why = resolve_backend("auto", CPU, torch.float32, 16, 64)
+    assert name == "torch" and "no C++ compiler" in why
     name, why = resolve_backend("auto", CUDA, torch.float32, 16, 64)
     assert name == "torch" and "float16/bfloat16" in why
     name, why = resolve_backend("auto", CUDA, torch.bfloat16, 16, 64)
@@ -203,6 +207,7 @@ def test_auto_picks_a_flash_kernel_on_cuda_in_half_precision_and_torch_elsewhere
 
 @pytest.mark.parametrize("name,device,dtype,block_size,says", [
     ("varlen", CPU, torch.float32, 16, ["CUDA device", "torch.nn.attention.varlen"]),
+    ("cpu", CUDA, torch.bfloat16, 16, ["runs on the CPU", "C++ compiler"]),
     ("flash", CUDA, torch.bfloat16, 16, ["flash-attn", "multiple of 256"]),
     ("fa3", CUDA, torch.bfloat16, 16, ["flash_attn_interface", "Hopper"]),
     ("flash", CUDA, torch.float32, 256, ["float16/bfloat16", "flash-attn"]),

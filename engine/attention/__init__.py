@@ -1,13 +1,15 @@
 """Attention backends, chosen once at start-up from a registry of lazy factories.
 
 - ``torch``: the reference, any device and dtype (engine.attention.torch_ref).
+- ``cpu``: a C++ kernel that reads the paged cache in place, built on first use (engine.attention.cpu).
 - ``varlen``: FlashAttention-2 as shipped in torch (``torch.nn.attention.varlen``), any block
   size: paged in place at multiples of 256 where this torch can, else a gather per layer.
 - ``flash``: the flash-attn 2 package, paged in place; block size a multiple of 256.
 - ``fa3``: FlashAttention-3 (``flash_attn_interface``), paged in place, any block size; Hopper.
 
-``auto`` takes the first of fa3, flash, varlen that can run on the device, dtype and block
-size (FlashAttention kernels are CUDA and float16/bfloat16 only), else torch, and logs why.
+``auto`` takes, on CUDA, the first of fa3, flash, varlen that can run on the dtype and block
+size (FlashAttention kernels are float16/bfloat16 only); on CPU, the ``cpu`` kernel where a C++
+compiler can build it; else torch. The choice and why are logged.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ HALF = (torch.float16, torch.bfloat16)
 def _torch_backend():
     from engine.attention.torch_ref import TorchAttentionBackend
     return TorchAttentionBackend
+
+
+def _cpu_backend():
+    from engine.attention.cpu import CpuAttentionBackend
+    return CpuAttentionBackend
 
 
 def _varlen_backend():
@@ -54,6 +61,8 @@ class BackendSpec:
 
 BACKENDS = {
     "torch": BackendSpec(_torch_backend, "nothing beyond torch (any device, any dtype, any block_size)"),
+    "cpu": BackendSpec(_cpu_backend, "a CPU device, a C++ compiler and ninja (it builds on first use); "
+                                     "float32/bfloat16/float16, head_dim a multiple of 16, any block_size"),
     "varlen": BackendSpec(_varlen_backend, "a CUDA build of torch with torch.nn.attention.varlen, a CUDA device, "
                                            "float16/bfloat16 and head_dim a multiple of 8 up to 256 "
                                            "(any block_size; paged in place at multiples of 256)"),
@@ -83,6 +92,13 @@ def backend_problem(name: str, device: torch.device, dtype: torch.dtype, block_s
     """Why backend ``name`` cannot run here, or None when it can."""
     if name == "torch":
         return None
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"it runs on the CPU, not {device.type}"
+        if head_dim % 16:
+            return f"head_dim must be a multiple of 16, got {head_dim}"
+        from engine.attention.cpu import compiler_problem
+        return compiler_problem()
     if device.type != "cuda":
         return f"it needs a CUDA device, not {device.type}"
     if dtype not in HALF:
@@ -117,6 +133,11 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_s
             raise ValueError(f"attention_backend {name!r} cannot run here: {problem}. "
                              f"It needs {BACKENDS[name].needs}")
         return name, "asked for"
+    if device.type == "cpu":
+        problem = backend_problem("cpu", device, dtype, block_size, head_dim)
+        if problem is None:
+            return "cpu", "reads the paged cache in place"
+        return "torch", f"the cpu kernel cannot be built: {problem}"
     if device.type != "cuda":
         return "torch", f"the reference backend on {device.type}"
     skipped = []

@@ -49,12 +49,31 @@ def _check_full(loaded, dim: int, expected: int, name: str) -> None:
                          "(does config.json match the weights?)")
 
 
+def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linear weights can be prepacked for oneDNN's CPU GEMM (as inductor's freezing does)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """``weight`` reordered into oneDNN's blocked layout for inputs of about ``batch_hint`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
 
 
 class LinearBase(nn.Module):
+    packed: torch.Tensor | None = None
+    """oneDNN-packed weight (CPU, after ``prepack``); the dense weight is then released."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup) -> None:
         super().__init__()
         self.group = group
@@ -66,12 +85,12 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         _copy_checked(param, _whole(loaded), type(self).__name__)
 
+    def prepack(self, batch_hint: int) -> None:
+        self.packed = pack_weight(self.weight, batch_hint)
+        self.weight.data = self.weight.data.new_empty(0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class ReplicatedLinear(LinearBase):
-    pass
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -150,7 +169,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param, _part(loaded, 1, self.in_start, param.shape[1]), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))
+        y = self.group.all_reduce(linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 
@@ -184,8 +203,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over this rank's vocabulary slice, gathered to the full vocabulary on rank 0
     (the only rank that samples); other ranks get None."""
 
+    packed: torch.Tensor | None = None
+
+    def prepack(self, batch_hint: int) -> None:
+        """A packed copy; the dense weight stays (tied embeddings read it)."""
+        self.packed = pack_weight(self.weight, batch_hint)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.group.gather_last_dim(F.linear(hidden, self.weight))
+        return self.group.gather_last_dim(linear(hidden, self.weight, None, self.packed))
 
 
 class RMSNorm(nn.Module):

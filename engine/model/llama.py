@@ -102,6 +102,12 @@ class DecoderForCausalLM(nn.Module):
         logits = self.lm_head(self.norm(x.index_select(0, logits_indices)))
         return None if logits is None else logits.float()
 
+    def prepack(self, batch_hint: int) -> None:
+        """Pack every linear weight for oneDNN's CPU GEMM (engine.model.layers.pack_weight)."""
+        for module in self.modules():
+            if hasattr(module, "prepack") and module is not self:
+                module.prepack(batch_hint)
+
     def parameter_for(self, checkpoint_name: str) -> tuple[str, object] | None:
         """Map a checkpoint tensor name to (our parameter name, shard id); None to skip it."""
         name = checkpoint_name

@@ -1,0 +1,129 @@
+"""CPU attention that reads the paged cache in place: a small C++ kernel built on first use.
+
+Cache layout ``[num_blocks, kv_heads, block_size, head_dim]``: one head's block is one
+contiguous run of memory, which the hardware prefetcher streams (measured ~15 % faster than
+the CUDA backends' ``[num_blocks, block_size, kv_heads, head_dim]`` for a decode step). Requests
+that read cached context (decodes, chunks after a cached prefix) go to the kernel
+(``csrc/paged_attention.cpp``), which walks each request's block table: no per-layer gather,
+no padding to the longest context. First chunks attend to their own new K/V with torch's
+fused CPU flash-attention (SDPA, causal), one call per request: they are compute-bound.
+
+The kernel is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` into
+``$SLOTSERVE_CACHE/kernels`` (default ``~/.cache/slotserve/kernels``) the first time a process
+needs it; the folder name hashes the source, torch's version, the compiler flags and the
+CPU's instruction sets, so a stale or foreign build is never loaded. Concurrent builds (Ray
+replicas, tensor-parallel ranks) wait on the extension builder's own lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+# -ffast-math at compile time only: it lets the compiler vectorize reductions and expf; linked
+# without it, the library does not switch the process to flush-to-zero.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def kernel_dir() -> Path:
+    root = os.environ.get("SLOTSERVE_CACHE")
+    base = Path(root).expanduser() if root else Path("~/.cache/slotserve").expanduser()
+    return base / "kernels"
+
+
+def kernel_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode(),
+                 _cpu_flags().encode()):
+        digest.update(part)
+    return f"slotserve_cpu_attn_{digest.hexdigest()[:16]}"
+
+
+def compiler_problem() -> str | None:
+    """Why the kernel cannot be built here, or None."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH; install g++ or set CXX)"
+    from torch.utils.cpp_extension import is_ninja_available
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+@cache
+def load_kernel():
+    """``torch.ops.slotserve_cpu.paged_attention``, building the library first if needed."""
+    from torch.utils.cpp_extension import load
+    name = kernel_name()
+    build = kernel_dir() / name
+    fresh = not (build / f"{name}.so").exists()
+    build.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+         build_directory=str(build), is_python_module=False, verbose=False)
+    logger.info("CPU paged attention kernel %s in %.1f s (%s)", "built" if fresh else "loaded",
+                time.perf_counter() - t0, build)
+    return torch.ops.slotserve_cpu.paged_attention
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+    supports_cuda_graphs = False
+    graph_context_buckets = False
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, kernel=None):
+        """``kernel``: a function with ``paged_attention``'s signature (default: the C++ one)."""
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        self._kernel = kernel if kernel is not None else load_kernel()
+
+    def allocate_cache(self, num_blocks, dtype, device):
+        shape = (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._slots = meta.slot_mapping // self.block_size, meta.slot_mapping % self.block_size
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        # The kernel reads any strides: it gets the caches as [blocks, block_size, kv_heads, d] views.
+        k_cache, v_cache = (c.transpose(1, 2) for c in kv_cache)
+        block, offset = self._slots
+        k_cache.index_put_((block, offset), k)
+        v_cache.index_put_((block, offset), v)
+        out = torch.empty_like(q)
+        g = meta.num_gathered
+        split = meta.gathered_tokens
+        if g:
+            self._kernel(out[:split], q[:split], k_cache, v_cache, meta.cu_seqlens_q[:g + 1], meta.seqlens_k[:g],
+                         meta.block_table[:g], self.scale)
+        s = split
+        for n in meta.query_lens[g:]:
+            out[s:s + n] = F.scaled_dot_product_attention(
+                q[s:s + n].transpose(0, 1), k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=True).transpose(0, 1)
+            s += n
+        return out.view(q.shape[0], -1)

@@ -1,0 +1,276 @@
+// Paged attention on CPU, reading K/V blocks in place (no per-layer gather).
+//
+// FlashAttention varlen semantics: request b owns query rows cu_seqlens_q[b]..cu_seqlens_q[b+1]
+// and attends causally (aligned bottom-right) to its first seqlens_k[b] cached tokens, which
+// live in the blocks block_table[b, :]. Cache layout [num_blocks, block_size, kv_heads, head_dim].
+// One work item is (query row, KV head): the G query heads sharing that KV head read each key
+// and value once. Scores stay in fp32 whatever the cache dtype.
+//
+// Built on first use by engine/attention/cpu_kernel.py with -O3 -march=native; the loops are
+// written so the compiler vectorizes them (omp simd over head_dim and over keys).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// GCC/Clang vector extensions: one source for AVX2 (8 lanes) and AVX-512 (16 lanes).
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+#else
+constexpr int64_t W = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(W * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(W * sizeof(uint32_t))));
+typedef uint16_t vhalf __attribute__((vector_size(W * sizeof(uint16_t))));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vfloat load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  vhalf bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  vuint wide = __builtin_convertvector(bits, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+inline vfloat load(const c10::Half* p) {
+  float tmp[W];
+  for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load(tmp);
+}
+
+inline float hsum(vfloat v) {
+  float total = 0.f;
+  for (int64_t i = 0; i < W; ++i) total += v[i];
+  return total;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the row maximum): 2^n * p(r), r = x - n ln 2.
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat lo = vfloat{} - 87.f;
+  x = x < lo ? lo : x;
+  vint n = __builtin_convertvector(x * 1.44269504f - 0.5f, vint);  // round to nearest (x <= 0)
+  vfloat nf = __builtin_convertvector(n, vfloat);
+  vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  vint bits = (n + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+struct Shapes {
+  int64_t heads, kv_heads, group, head_dim, block_size, table_width;
+  int64_t q_row, k_block, k_token, k_head;  // strides, in elements
+};
+
+// Scores of G query heads (qf, pre-scaled) against n keys `stride` apart: out[g * ld + o].
+// Four keys at a time, so four independent FMA chains hide the FMA latency.
+template <typename T>
+inline void block_scores(const float* qf, const T* key, int64_t stride, int64_t n, int64_t G, int64_t D,
+                         float* out, int64_t ld) {
+  const int64_t chunks = D / W;
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    const T* k0 = key + o * stride;
+    for (int64_t g = 0; g < G; ++g) {
+      vfloat a0{}, a1{}, a2{}, a3{};
+      for (int64_t c = 0; c < chunks; ++c) {
+        const vfloat qv = load(qf + g * D + c * W);
+        a0 += qv * load(k0 + c * W);
+        a1 += qv * load(k0 + stride + c * W);
+        a2 += qv * load(k0 + 2 * stride + c * W);
+        a3 += qv * load(k0 + 3 * stride + c * W);
+      }
+      float* dst = out + g * ld + o;
+      dst[0] = hsum(a0), dst[1] = hsum(a1), dst[2] = hsum(a2), dst[3] = hsum(a3);
+    }
+  }
+  for (; o < n; ++o) {
+    for (int64_t g = 0; g < G; ++g) {
+      vfloat a{};
+      for (int64_t c = 0; c < chunks; ++c) a += load(qf + g * D + c * W) * load(key + o * stride + c * W);
+      out[g * ld + o] = hsum(a);
+    }
+  }
+}
+
+// acc[g] += sum over n values `stride` apart of p[g * ld + o] * value[o]: four values at a time.
+template <typename T>
+inline void block_values(const float* p, const T* value, int64_t stride, int64_t n, int64_t G, int64_t D,
+                         int64_t ld, vfloat* acc) {
+  const int64_t chunks = D / W;
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    const T* v0 = value + o * stride;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const vfloat x0 = load(v0 + c * W), x1 = load(v0 + stride + c * W);
+      const vfloat x2 = load(v0 + 2 * stride + c * W), x3 = load(v0 + 3 * stride + c * W);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = p + g * ld + o;
+        acc[g * chunks + c] += (pg[0] * x0 + pg[1] * x1) + (pg[2] * x2 + pg[3] * x3);
+      }
+    }
+  }
+  for (; o < n; ++o) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const vfloat x = load(value + o * stride + c * W);
+      for (int64_t g = 0; g < G; ++g) acc[g * chunks + c] += p[g * ld + o] * x;
+    }
+  }
+}
+
+// G query heads of one row over the first `len` tokens of one request, one KV head.
+// Scratch: qf [G, head_dim], scores [G, len rounded up to W], acc [G, head_dim / W].
+template <typename T>
+void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t kv_head,
+                int64_t len, float scale, const Shapes& s, float* qf, float* scores, vfloat* acc, T* out) {
+  const int64_t G = s.group, D = s.head_dim, bs = s.block_size, padded = (len + W - 1) / W * W;
+  const int64_t nblocks = (len + bs - 1) / bs;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const T* key = k_cache + blocks[b] * s.k_block + kv_head * s.k_head;
+    block_scores(qf, key, s.k_token, std::min(bs, len - b * bs), G, D, scores + b * bs, padded);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * padded;
+    float peak = sg[0];
+    for (int64_t t = 1; t < len; ++t) peak = std::max(peak, sg[t]);
+    for (int64_t t = len; t < padded; ++t) sg[t] = -1e30f;  // exp clamps it to ~0; never read after
+    vfloat total{};
+    for (int64_t t = 0; t < padded; t += W) {
+      vfloat e = exp_nonpositive(load(sg + t) - peak);
+      std::memcpy(sg + t, &e, sizeof(e));
+      total += e;
+    }
+    const float inv = 1.f / hsum(total);
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  std::fill(acc, acc + G * (D / W), vfloat{});
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const T* value = v_cache + blocks[b] * s.k_block + kv_head * s.k_head;
+    block_values(scores + b * bs, value, s.k_token, std::min(bs, len - b * bs), G, D, padded, acc);
+  }
+  for (int64_t g = 0; g < G; ++g) store_row(reinterpret_cast<const float*>(acc + g * (D / W)), out + g * D, D);
+}
+
+template <typename T>
+void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seqlens_k,
+                          const at::Tensor& block_table, double scale) {
+  const int64_t rows = q.size(0), batch = seqlens_k.size(0);
+  Shapes s{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1),
+           block_table.size(1), q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* kv_lens = seqlens_k.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  // Per query row: its request and how many keys it sees (causal, aligned bottom-right).
+  std::vector<int32_t> row_request(rows), row_len(rows);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t n = cu[b + 1] - cu[b];
+    for (int32_t j = 0; j < n; ++j) {
+      row_request[cu[b] + j] = static_cast<int32_t>(b);
+      row_len[cu[b] + j] = kv_lens[b] - n + j + 1;
+    }
+    longest = std::max<int64_t>(longest, kv_lens[b]);
+  }
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t items = rows * s.kv_heads, G = s.group, D = s.head_dim;
+  const float fscale = static_cast<float>(scale);
+  // Dynamic schedule: rows differ in length (decodes come sorted longest first).
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> scratch(G * ((longest + W - 1) / W * W) + G * D);
+    std::vector<vfloat> acc(G * D / W);
+    float* scores = scratch.data();
+    float* qf = scores + G * ((longest + W - 1) / W * W);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t row = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t len = row_len[row];
+      if (len <= 0) continue;
+      const int32_t* blocks = table + row_request[row] * s.table_width;
+      attend_row(qp + row * s.q_row + h * G * D, kp, vp, blocks, h, len, fscale, s, qf, scores, acc.data(),
+                 op + row * s.heads * D + h * G * D);
+    }
+  }
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& seqlens_k, const at::Tensor& block_table,
+                     double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "paged_attention: q/out [rows, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "paged_attention: q, out and the caches must share one dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.stride(3) == 1,
+              "paged_attention: K and V caches must share shape and strides, head_dim contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "paged_attention: head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) % W == 0, "paged_attention: head_dim must be a multiple of ", W, ", got ", q.size(2));
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q rows must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "paged_attention: out must be contiguous, q's shape");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seqlens_k.scalar_type() == at::kInt &&
+                  block_table.scalar_type() == at::kInt,
+              "paged_attention: cu_seqlens_q, seqlens_k and block_table must be int32");
+  TORCH_CHECK(cu_seqlens_q.is_contiguous() && seqlens_k.is_contiguous() && block_table.is_contiguous(),
+              "paged_attention: index tensors must be contiguous");
+  TORCH_CHECK(cu_seqlens_q.numel() == seqlens_k.numel() + 1 && block_table.size(0) == seqlens_k.numel(),
+              "paged_attention: cu_seqlens_q has one entry more than seqlens_k, block_table a row per request");
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      paged_attention_impl<float>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, scale);
+      break;
+    case at::kBFloat16:
+      paged_attention_impl<c10::BFloat16>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, scale);
+      break;
+    case at::kHalf:
+      paged_attention_impl<c10::Half>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(slotserve_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+        "Tensor seqlens_k, Tensor block_table, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(slotserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,104 @@
+"""The CPU kernel that reads the paged cache in place (engine.attention.cpu): the attention
+contract at several block sizes, dtypes and head layouts, long scattered contexts against the
+torch reference, clear errors, and a build cache keyed so that a stale library is never loaded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import create_backend
+from engine.attention import cpu as cpu_attention
+from engine.attention.metadata import build_step_inputs
+from engine.request import Request
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledChunk
+from tests.test_attention import CPU, run_contract
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (4, 4), (6, 2)], ids=["gqa", "mqa", "mha", "gqa3"])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 256])
+def test_cpu_kernel_matches_dense_attention(block_size, heads, kv_heads, dtype):
+    run_contract("cpu", CPU, block_size, dtype, TOLERANCE[dtype], heads, kv_heads)
+
+
+def _long_step(seed, block_size, heads, kv_heads, head_dim, dtype):
+    """Decodes and chunks after a prefix over long contexts in a scattered pool."""
+    rng = random.Random(seed)
+    starts = [rng.randint(50, 700) for _ in range(12)]
+    news = [1] * 9 + [rng.randint(2, 40) for _ in range(3)]
+    need = [-(-(s + n) // block_size) for s, n in zip(starts, news)]
+    pool = list(range(sum(need) * 2))
+    rng.shuffle(pool)
+    chunks = []
+    for i, (s, n) in enumerate(zip(starts, news)):
+        r = Request(str(i), [1] * (s + n), SamplingParams(), 0, i, 10_000, 0, frozenset())
+        r.block_ids = [pool.pop() for _ in range(need[i])]
+        chunks.append(ScheduledChunk(r, s, n))
+    _, _, _, meta, _ = build_step_inputs(chunks, block_size, CPU)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(news)
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    return meta, q, k, v, len(pool) + sum(need)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_kernel_equals_the_torch_reference_over_long_contexts(dtype):
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    meta, q, k, v, blocks = _long_step(5, block_size, heads, kv_heads, head_dim, dtype)
+    gen = torch.Generator().manual_seed(6)
+    outs = []
+    for name in ("cpu", "torch"):
+        backend = create_backend(name, CPU, heads, kv_heads, head_dim, block_size, dtype)
+        cache = backend.allocate_cache(blocks, dtype, CPU)
+        # The same cached context in both layouts: write it through each backend's own slot writes.
+        full = torch.randn(blocks * block_size, kv_heads, head_dim, generator=gen.manual_seed(7)).to(dtype)
+        if name == "cpu":  # [blocks, kv_heads, block_size, head_dim]
+            cache[0].copy_(full.view(blocks, block_size, kv_heads, head_dim).transpose(1, 2))
+            cache[1].copy_(full.flip(0).view(blocks, block_size, kv_heads, head_dim).transpose(1, 2))
+        else:
+            cache[0].copy_(full.transpose(0, 1))
+            cache[1].copy_(full.flip(0).transpose(0, 1))
+        backend.plan(meta)
+        outs.append(backend.forward(q, k, v, cache, meta).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_cpu_kernel_names_what_is_wrong():
+    kernel = cpu_attention.load_kernel()
+    q = torch.randn(2, 4, 16)
+    cache = torch.zeros(4, 8, 2, 16)
+    cu, lens, table = torch.tensor([0, 1, 2]), torch.tensor([3, 5]), torch.zeros(2, 1)
+    with pytest.raises(RuntimeError, match="must be int32"):
+        kernel(torch.empty_like(q), q, cache, cache, cu, lens, table, 0.25)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        kernel(torch.empty_like(q), q, cache.bfloat16(), cache.bfloat16(), cu.int(), lens.int(), table.int(), 0.25)
+    with pytest.raises(RuntimeError, match="head_dim must match"):
+        kernel(torch.empty(2, 4, 8), torch.randn(2, 4, 8), cache, cache, cu.int(), lens.int(), table.int(), 0.25)
+
+
+def test_the_build_is_keyed_by_source_flags_and_cpu(monkeypatch, tmp_path):
+    name = cpu_attention.kernel_name()
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "another cpu")
+    assert cpu_attention.kernel_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_attention, "CFLAGS", cpu_attention.CFLAGS + ("-DOTHER",))
+    assert cpu_attention.kernel_name() != name
+    monkeypatch.undo()
+    source = tmp_path / "paged_attention.cpp"
+    source.write_bytes(cpu_attention.SOURCE.read_bytes() + b"\n// edited\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", source)
+    assert cpu_attention.kernel_name() != name
+    monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
+    assert cpu_attention.kernel_dir() == tmp_path / "kernels"
+
+
+def test_without_a_compiler_the_reason_is_given(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert "no-such-compiler-here" in cpu_attention.compiler_problem()
