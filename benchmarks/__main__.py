@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random weights of this model's shape, written to a temporary directory (no hub)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where every system runs (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations of every system (auto: float32 on cpu, bfloat16 on cuda)")
+                   help="weights and activations of every system (auto: the engine's own choice: bfloat16 on cuda "
+                        "and on CPUs with AVX-512 BF16 or AMX, else float32)")
     p.add_argument("--num-requests", type=_positive_int, default=None, help="override the preset's request count")
     p.add_argument("--arrival", default=None, help="'burst' (all at t=0, default) or 'poisson:RATE' requests/s")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="KV pool for the engine and HF paged cache (default: every slot holds the longest request)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off in both paged systems")
+    p.add_argument("--vllm-python", default=None,
+                   help="interpreter of a venv with vLLM, for the vllm system (e.g. /tmp/peer/venv/bin/python)")
     p.add_argument("--no-profile", action="store_true", help="skip the engine step profile")
     p.add_argument("--profile-steps", type=_positive_int, default=None, help="decode steps measured per profile level")
     return p
@@ -78,13 +81,14 @@ def _settings(args, model_dir: Path, max_seq_len: int) -> BenchSettings:
     return BenchSettings(str(model_dir), max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                          num_kv_blocks=blocks, threads=args.threads, dtype=_dtype(args), device=args.device,
-                         enable_prefix_caching=not args.no_prefix_caching)
+                         enable_prefix_caching=not args.no_prefix_caching, vllm_python=args.vllm_python)
 
 
 def _dtype(args) -> str:
     if args.dtype != "auto":
         return args.dtype
-    return "bfloat16" if args.device == "cuda" else "float32"
+    from engine.cpu_features import fast_bf16
+    return "bfloat16" if args.device == "cuda" or fast_bf16() else "float32"
 
 
 def _device_info(settings: BenchSettings, model_dir: Path) -> dict:

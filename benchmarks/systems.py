@@ -29,6 +29,8 @@ class BenchSettings:
     device: str = "cpu"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    vllm_python: str | None = None
+    """Interpreter of a venv with vLLM, for the ``vllm`` system (benchmarks.vllm_peer)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "threads"):
@@ -111,6 +113,12 @@ register_system(SystemSpec(
     "the same application in Ray Serve's HAProxy mode: gRPC streaming clients -> HAProxy (C, one per node, "
     "following Serve's ingress replicas) -> Router ingress replica's own gRPC server -> engine link -> one EngineReplica",
     "benchmarks.served_system:run_served_haproxy"))
+
+register_system(SystemSpec(
+    "vllm", "vLLM (CPU build)",
+    "vLLM's LLMEngine from its own venv (--vllm-python), stepped like the continuous system: the same "
+    "requests, dtype, slots, token budget, block size and threads",
+    "benchmarks.vllm_peer:run_vllm"))
 
 BASELINE = "continuous"
 DEFAULT_SYSTEMS = ("continuous", "static", "hf_generate", "hf_generate_batch", "served", "served_haproxy")

@@ -198,6 +198,9 @@ PRESETS: dict[str, WorkloadSpec] = {
     "shared-prefix": WorkloadSpec(
         "shared-prefix", "one long system prompt shared by every request, short own suffixes (prefix caching)",
         48, UniformInt(16, 128), UniformInt(32, 128), shared_prefix_len=768),
+    "offline32": WorkloadSpec(
+        "offline32", "32 requests at once, prompts 64-512, outputs 64-192: the offline run compared with vLLM",
+        32, UniformInt(64, 512), UniformInt(64, 192)),
     "tiny": WorkloadSpec(
         "tiny", "a smoke test: a handful of short requests of mixed lengths",
         6, UniformInt(8, 40), Mixture(((0.5, 2, 6), (0.5, 8, 16)))),

@@ -26,7 +26,8 @@ class ModelConfig:
     model: Str = Field(min_length=1)
     """A local HF model directory, or a built-in name such as ``smollm2-135m`` (see engine.models_hub)."""
     dtype: Literal[DTYPES] = "auto"
-    """``auto``: bfloat16 on CUDA, float32 on CPU."""
+    """``auto``: bfloat16 on CUDA and on CPUs with bfloat16 dot products (AVX-512 BF16, AMX), else
+    float32. Logits, softmax and sampling are float32 whatever the dtype."""
     device: Str = "auto"
     """``auto``: cuda if available, else cpu."""
     max_model_len: Int | None = Field(None, gt=0)

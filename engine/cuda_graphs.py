@@ -74,8 +74,7 @@ def decode_metadata(table: BlockTable, rows: torch.Tensor, positions: torch.Tens
     slots = blocks.long() * block_size + positions % block_size
     return AttentionMetadata(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlens_k=seqlens, block_table=block_table,
                              slot_mapping=slots, max_seqlen_q=1, max_seqlen_k=context, num_decodes=b,
-                             query_lens=[1] * b, kv_lens=[context] * b, decode_groups=[(0, b, context)],
-                             num_gathered=b)
+                             query_lens=[1] * b, kv_lens=[context] * b, num_gathered=b)
 
 
 class DecodeGraphs:

@@ -21,6 +21,7 @@ from engine.attention import create_backend
 from engine.attention.block_table import BlockTable
 from engine.attention.metadata import build_step_inputs
 from engine.config import EngineConfig
+from engine.cpu_features import fast_bf16
 from engine.cuda_graphs import DecodeGraphs
 from engine.memory import MemoryBudget, dummy_prefill, measure_peak, outside_torch_bytes, worst_case_sampling
 from engine.model import ModelArch, load_model
@@ -45,8 +46,8 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # float32 on CPU: exact against the HF oracle and not slower for small models here.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast = device.type == "cuda" or (device.type == "cpu" and fast_bf16())
+        return torch.bfloat16 if fast else torch.float32
     return DTYPES[name]
 
 

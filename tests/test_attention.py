@@ -14,7 +14,8 @@ import torch
 from engine.attention import backend_problem, create_backend, resolve_backend
 from engine.attention.fa3 import FA3AttentionBackend
 from engine.attention.flash import FlashAttentionBackend
-from engine.attention.metadata import build_step_inputs, context_rows, order_chunks, plan_decode_groups
+from engine.attention.metadata import build_step_inputs, context_rows, order_chunks
+from engine.attention.torch_ref import plan_decode_groups
 from engine.attention.varlen import VarlenAttentionBackend
 from engine.request import Request
 from engine.sampling import SamplingParams

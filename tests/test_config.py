@@ -233,3 +233,26 @@ def test_sampling_boundary_values_are_accepted(kwargs):
 def test_non_iterable_stop_values_are_invalid_requests(field, value):
     with pytest.raises(InvalidRequestError, match=rf"^{field} must be "):
         SamplingParams(**{field: value})
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_hardware_does_it_fast(monkeypatch):
+    import torch
+
+    from engine import runner
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # device names only: nothing touches a GPU
+    monkeypatch.setattr(runner, "fast_bf16", lambda: False)
+    assert runner.resolve_dtype("auto", cpu) == torch.float32
+    assert runner.resolve_dtype("auto", cuda) == torch.bfloat16
+    monkeypatch.setattr(runner, "fast_bf16", lambda: True)
+    assert runner.resolve_dtype("auto", cpu) == torch.bfloat16
+    assert runner.resolve_dtype("float32", cpu) == torch.float32
+
+
+def test_cpu_flags_name_the_bfloat16_instructions(monkeypatch):
+    from engine import cpu_features
+
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert cpu_features.fast_bf16()
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert not cpu_features.fast_bf16()

@@ -74,14 +74,14 @@ def test_padding_rows_read_and_write_only_the_scratch_block():
     assert meta.seqlens_k.tolist() == [10, 3, 14, 1]
     assert meta.cu_seqlens_k.tolist() == [0, 10, 13, 27, 28]
     assert meta.block_table[3].tolist() == [scratch] * 4
-    assert meta.decode_groups == [(0, 4, 16)] and meta.num_gathered == 4
+    assert meta.kv_lens == [16] * 4 and meta.num_gathered == 4
 
 
 def test_scratch_block_is_past_the_pool_the_block_manager_hands_out(tiny_model_dir):
     engine = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=12, block_size=8).engine
     runner, blocks = engine.runner, engine.block_manager
     assert runner.scratch_block == runner.num_blocks == blocks.num_blocks == 12
-    assert runner.kv_caches[0][0].shape[1] == 13 * 8  # the torch layout: [kv_heads, blocks * block_size, d]
+    assert runner.kv_caches[0][0].shape[:3] == (13, 2, 8)  # the cpu layout: [blocks, kv_heads, block_size, d]
     assert runner.scratch_block not in blocks.allocate(blocks.num_free)
     table = runner.block_table
     assert table.table[table.pad_row].tolist() == [runner.scratch_block] * table.max_blocks
@@ -122,8 +122,9 @@ def _attach_graphs(llm: LLM) -> list[tuple[GraphKey, int]]:
 @pytest.mark.parametrize("prompts,blocks,contexts,preempts", [
     (LONG, 64, {256, 300}, False), (SHORT, 14, {256}, True)], ids=["long-context", "preempting"])
 def test_padded_static_decode_path_gives_the_eager_tokens(tiny_model_dir, prompts, blocks, contexts, preempts):
+    # The torch backend: its padded decode batches are the ones keyed by context bucket.
     options = {"device": "cpu", "dtype": "float32", "block_size": 8, "max_num_seqs": 6, "max_model_len": 300,
-               "num_kv_blocks": blocks}
+               "num_kv_blocks": blocks, "attention_backend": "torch"}
     want = _generate(LLM(str(tiny_model_dir), **options), prompts)
     llm = LLM(str(tiny_model_dir), **options)
     used = _attach_graphs(llm)

@@ -34,8 +34,6 @@ class AttentionMetadata:
     # Host-side copies, so backends can plan without device syncs.
     query_lens: list[int]
     kv_lens: list[int]
-    decode_groups: list[tuple[int, int, int]]
-    """(first, end, max_kv_len) ranges over the decodes, for length-bucketed batching."""
     num_gathered: int = -1
     """Requests [0, num_gathered) attend to cached context; the rest are first chunks. -1: all."""
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +41,7 @@ LDFLAGS = ("-fopenmp",)
 
 
 def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return torch.backends.cpu.get_cpu_capability()
+    return " ".join(sorted(cpu_flags()))
 
 
 def kernel_dir() -> Path:

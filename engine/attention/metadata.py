@@ -15,37 +15,10 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.block_table import BlockTable
 
-# Cost of one extra decode group, in padded KV tokens: a group adds a few kernel launches
-# per layer, which on CPU take about as long as gathering and attending over ~512 tokens.
-GROUP_OVERHEAD_TOKENS = 512
-
-
-def plan_decode_groups(kv_lens: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -> list[tuple[int, int, int]]:
-    """Split KV lengths sorted in decreasing order into contiguous groups minimising
-    padded tokens + ``overhead`` per group (exact dynamic programme; B is at most a few hundred)."""
-    n = len(kv_lens)
-    if n == 0:
-        return []
-    best = [0] + [1 << 62] * n     # best[j]: cost of grouping the first j requests
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):
-            cost = best[i] + (j - i) * kv_lens[i] + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups = []
-    j = n
-    while j > 0:
-        i = cut[j]
-        groups.append((i, j, kv_lens[i]))
-        j = i
-    return groups[::-1]
-
-
 def order_chunks(chunks) -> tuple[list, int, int]:
     """(ordered chunks, number of decodes, number that read cached context).
 
-    Decodes first, by decreasing KV length; then chunks after a cached prefix; then first
+    Decodes first, by decreasing KV length (so the torch backend can batch them in length groups); then chunks after a cached prefix; then first
     chunks (``start == 0``), which attend only to their own new tokens."""
     decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start)
     later = [c for c in chunks if c.num_tokens != 1 and c.start > 0]
@@ -111,6 +84,5 @@ def build_step_inputs(chunks, block_size: int, device: torch.device, table: Bloc
     meta = AttentionMetadata(
         cu_seqlens_q=lengths[:b + 1], cu_seqlens_k=lengths[b + 1:2 * b + 2], seqlens_k=lengths[2 * b + 2:],
         block_table=block_table, slot_mapping=slots, max_seqlen_q=max(query_lens), max_seqlen_k=max(kv_lens),
-        num_decodes=num_decodes, query_lens=query_lens, kv_lens=kv_lens,
-        decode_groups=plan_decode_groups(kv_lens[:num_decodes]), num_gathered=num_gathered)
+        num_decodes=num_decodes, query_lens=query_lens, kv_lens=kv_lens, num_gathered=num_gathered)
     return [order[i] for i in sample_rows], input_ids, pos, meta, per_request[b:]

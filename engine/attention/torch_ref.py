@@ -2,9 +2,9 @@
 
 Cache layout ``[kv_heads, num_blocks * block_size, head_dim]`` (heads outermost), so that
 gathering a request's blocks yields per-head contiguous keys that feed ``bmm`` without a
-second copy. Decodes are batched in groups of similar KV length (planned once per step by
-the metadata builder) so padding stays small; prefill chunks run one request at a time
-(compute-bound, and there are few per step).
+second copy. Decodes are batched in groups of similar KV length (planned once per step in
+``plan``) so padding stays small; prefill chunks run one request at a time (compute-bound,
+and there are few per step).
 """
 
 from __future__ import annotations
@@ -14,6 +14,32 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
+# Cost of one extra decode group, in padded KV tokens: a group adds a few kernel launches
+# per layer, which on CPU take about as long as gathering and attending over ~512 tokens.
+GROUP_OVERHEAD_TOKENS = 512
+
+
+def plan_decode_groups(kv_lens: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -> list[tuple[int, int, int]]:
+    """Split KV lengths sorted in decreasing order into contiguous groups minimising
+    padded tokens + ``overhead`` per group (exact dynamic programme; B is at most a few hundred)."""
+    n = len(kv_lens)
+    if n == 0:
+        return []
+    best = [0] + [1 << 62] * n     # best[j]: cost of grouping the first j requests
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * kv_lens[i] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups = []
+    j = n
+    while j > 0:
+        i = cut[j]
+        groups.append((i, j, kv_lens[i]))
+        j = i
+    return groups[::-1]
+
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
@@ -21,6 +47,10 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads, num_kv_heads, head_dim, block_size):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self._scratch: list[torch.Tensor | None] = [None, None]
+        self._groups: list[tuple[int, int, int]] = []
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._groups = plan_decode_groups(meta.kv_lens[:meta.num_decodes])
 
     def allocate_cache(self, num_blocks, dtype, device):
         shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
@@ -55,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        for first, end, max_len in meta.decode_groups:
+        for first, end, max_len in self._groups:
             out[first:end] = self._decode_group(q[first:end], k_cache, v_cache, meta, first, end, max_len)
         s = meta.num_decodes
         for i in range(meta.num_decodes, len(meta.query_lens)):
