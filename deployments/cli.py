@@ -139,6 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if http.get(key) and not Path(http[key]).is_file():
             raise ValueError(f"http_options.{key}: {http[key]} is not a file")
     from deployments.app import SERVE_ENV
+    from deployments.host_fit import fit_cpu_engines
 
     tls = bool(http.get("ssl_certfile"))
     ingress = args.ingress or default_ingress(tls)
@@ -160,9 +161,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own: a stop drains like Ctrl-C
     try:
         serve.start(http_options=http_options, grpc_options=grpc_serve_options)
+        from deployments.app import build_app
+        cores = args.num_cpus or len(os.sched_getaffinity(0))
         for app in config["applications"]:
             target = _import_path(app["import_path"])
-            application = target(app.get("args") or {}) if callable(target) else target
+            app_args = app.get("args") or {}
+            if target is build_app:
+                app_args, chosen = fit_cpu_engines(app_args, cores)
+                if chosen:
+                    print(chosen, flush=True)
+            application = target(app_args) if callable(target) else target
             serve.run(application, name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"),
                       blocking=False)
         host, scheme = http["host"], "https" if http.get("ssl_certfile") else "http"

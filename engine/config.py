@@ -18,7 +18,7 @@ from engine.validation import Bool, Float, Int, Str, validated
 
 SCHEDULING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "varlen", "flash", "fa3")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "varlen", "flash", "fa3", "triton")
 
 
 @validated()
@@ -93,8 +93,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
-    """``auto``: on CUDA the fastest FlashAttention kernel that runs here (fa3, flash, varlen); on CPU
-    the ``cpu`` kernel (built on first use); else torch."""
+    """``auto``: on CUDA the first that runs here of fa3, flash, varlen (FlashAttention kernels) and
+    triton; on CPU the ``cpu`` kernel (built on first use); else torch."""
     enforce_eager: Bool = False
     """No CUDA graphs: decode steps run eagerly too (graphs are only ever used on CUDA)."""
     profile: Bool = False

@@ -3,8 +3,8 @@
 A decode step launches a few hundred small kernels; replaying them as one captured graph
 takes the host out of the step. Graphs are captured at start for each (batch bucket,
 context bucket): the step's rows are padded up to the batch bucket, and its longest
-context picks the context bucket (the gather and the torch backend's padded batch grow
-with it; paged kernels need one context bucket). Inputs live in static buffers: token ids,
+context picks the context bucket (the torch backend's padded batch grows with it; the
+paged kernels of every other backend need one context bucket). Inputs live in static buffers: token ids,
 positions and block-table rows; the block table, slot mapping, KV lengths and cu_seqlens
 are derived on the device inside the graph. Padding rows read and write only the scratch
 block, which the block manager never hands out. Steps with a prefill chunk, or that fit no

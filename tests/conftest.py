@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run only in Triton's interpreter (on CPU tensors), which must be
+# on before triton is first imported: it decides when a kernel is decorated.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

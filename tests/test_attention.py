@@ -14,7 +14,7 @@ import torch
 from engine.attention import backend_problem, create_backend, resolve_backend
 from engine.attention.fa3 import FA3AttentionBackend
 from engine.attention.flash import FlashAttentionBackend
-from engine.attention.metadata import build_step_inputs, context_rows, order_chunks
+from engine.attention.metadata import build_step_inputs, order_chunks
 from engine.attention.torch_ref import plan_decode_groups
 from engine.attention.varlen import VarlenAttentionBackend
 from engine.request import Request
@@ -153,26 +153,17 @@ def test_torch_backend_with_one_token_blocks():
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
-@pytest.mark.parametrize("kernel", [ref_varlen, ref_varlen_older], ids=["gqa-kernel", "older-torch"])
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_varlen_backend_gathers_or_pages_like_dense_attention(kernel, block_size, heads, kv_heads):
-    backend = VarlenAttentionBackend(heads, kv_heads, D, block_size, kernel=kernel)
-    # The paged kernel only where this torch takes a block table and pages are FA2-sized.
-    assert backend.paged == (kernel is ref_varlen and block_size == 256)
-    run_contract(backend, CPU, block_size, torch.float32, 1e-5, heads, kv_heads)
+def test_varlen_backend_pages_like_dense_attention(heads, kv_heads):
+    backend = VarlenAttentionBackend(heads, kv_heads, D, 256, kernel=ref_varlen)
+    run_contract(backend, CPU, 256, torch.float32, 1e-5, heads, kv_heads)
 
 
-def test_varlen_gather_buffers_are_reserved_once():
-    backend = VarlenAttentionBackend(4, 2, D, 16, kernel=ref_varlen)
-    backend.reserve(1024, torch.float32, CPU)
-    buffers = backend._buffers
-    assert backend.scratch_bytes(1024, torch.float32) == 1024 * 2 * 2 * D * 4
-    run_contract(backend, CPU, 16, torch.float32, 1e-5)
-    assert backend._buffers is buffers
-    small = VarlenAttentionBackend(4, 2, D, 16, kernel=ref_varlen)
-    small.reserve(8, torch.float32, CPU)
-    with pytest.raises(RuntimeError, match="past the 8 reserved"):  # never a silent move under a captured graph
-        run_contract(small, CPU, 16, torch.float32, 1e-5)
+@pytest.mark.parametrize("kernel,block_size", [(ref_varlen, 16), (ref_varlen_older, 256)], ids=["small-pages",
+                                                                                             "older-torch"])
+def test_varlen_backend_never_gathers(kernel, block_size):
+    """Where varlen_attn cannot read the pages in place, the backend refuses (auto takes triton)."""
+    with pytest.raises(ValueError, match="multiples of 256"):
+        VarlenAttentionBackend(4, 2, D, block_size, kernel=kernel)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
@@ -199,17 +190,23 @@ def test_auto_picks_a_flash_kernel_on_cuda_in_half_precision_and_the_cpu_kernel_
     name, why = resolve_backend("auto", CPU, torch.float32, 16, 64)
     assert name == "torch" and "no C++ compiler" in why
     name, why = resolve_backend("auto", CUDA, torch.float32, 16, 64)
-    assert name == "torch" and "float16/bfloat16" in why
-    name, why = resolve_backend("auto", CUDA, torch.bfloat16, 16, 64)
+    assert name == "torch" and "float16/bfloat16" in why and "Triton is not installed" in why
+    name, why = resolve_backend("auto", CUDA, torch.bfloat16, 256, 64)
     assert name == "varlen"  # no FlashAttention-3 or flash-attn package here; torch ships varlen_attn
     assert "flash_attn_interface" in why and "flash-attn" in why
-    assert resolve_backend("auto", CUDA, torch.bfloat16, 16, 12)[0] == "torch"  # head_dim not a multiple of 8
+    monkeypatch.setattr("engine.attention._installed", lambda module: module == "triton")
+    name, why = resolve_backend("auto", CUDA, torch.bfloat16, 16, 64)
+    assert name == "triton" and "multiple of 256" in why  # small pages: no FlashAttention kernel pages them
+    assert resolve_backend("auto", CUDA, torch.float32, 16, 64)[0] == "triton"
+    assert resolve_backend("auto", CUDA, torch.bfloat16, 256, 12)[0] == "triton"  # head_dim not a multiple of 8
 
 
 @pytest.mark.parametrize("name,device,dtype,block_size,says", [
     ("varlen", CPU, torch.float32, 16, ["CUDA device", "torch.nn.attention.varlen"]),
     ("cpu", CUDA, torch.bfloat16, 16, ["runs on the CPU", "C++ compiler"]),
     ("flash", CUDA, torch.bfloat16, 16, ["flash-attn", "multiple of 256"]),
+    ("varlen", CUDA, torch.bfloat16, 16, ["multiple of 256", "block_table"]),
+    ("triton", CPU, torch.float32, 16, ["CUDA device", "Triton"]),
     ("fa3", CUDA, torch.bfloat16, 16, ["flash_attn_interface", "Hopper"]),
     ("flash", CUDA, torch.float32, 256, ["float16/bfloat16", "flash-attn"]),
 ])
@@ -267,17 +264,6 @@ def test_steps_order_decodes_then_chunks_after_a_prefix_then_first_chunks():
     assert (meta.num_decodes, meta.num_gathered, meta.gathered_tokens) == (num_decodes, num_gathered, 6) == (2, 3, 6)
     assert positions.tolist() == [20, 9, 3, 4, 5, 6, 0, 1, 2, 3, 4]
     assert meta.kv_lens == [21, 10, 7, 5] and meta.cu_seqlens_k.tolist() == [0, 21, 31, 38, 43]
-
-
-def test_context_rows_follow_the_block_table():
-    gen = random.Random(3)
-    bs, lens = 4, [9, 1, 16, 5]
-    table = torch.tensor([[gen.randrange(50) for _ in range(4)] for _ in lens], dtype=torch.int32)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    want = [int(table[i, p // bs]) * bs + p % bs for i, n in enumerate(lens) for p in range(n)]
-    assert context_rows(table, cu, bs, sum(lens)).tolist() == want
-    # A fixed-size (captured) step reads row 0 past the packed tokens.
-    assert context_rows(table, cu, bs, sum(lens) + 7).tolist() == want + [0] * 7
 
 
 def test_decode_groups_minimise_padding():

@@ -1,5 +1,5 @@
 """Every attention backend's real kernels on CUDA equal dense attention (the torch reference's
-semantics) at block sizes 16 and 256: decodes, first prefill chunks, chunks after a cached
+semantics) at block sizes 16 and 256 (Triton: compiled, not interpreted): decodes, first prefill chunks, chunks after a cached
 prefix, GQA and MQA. A backend whose kernel is absent, or whose block-size rule excludes
 the case, skips with the reason."""
 
@@ -26,20 +26,11 @@ def test_flash_kernels_match_dense_attention(name, block_size, heads, kv_heads):
 
 @SHAPES
 @BLOCKS
-def test_varlen_backend_without_gqa_or_pages_matches_dense_attention(block_size, heads, kv_heads):
-    """The path an older torch takes (K/V heads repeated, context gathered), on this torch's kernel."""
-    needs_backend("varlen", torch.bfloat16, block_size, HEAD_DIM)
-    from engine.attention.varlen import VarlenAttentionBackend, torch_varlen_kernel
-
-    kernel = torch_varlen_kernel()
-
-    def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-              window_size=(-1, -1)):
-        return kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
-
-    backend = VarlenAttentionBackend(heads, kv_heads, HEAD_DIM, block_size, kernel=older)
-    assert not backend.paged
-    run_contract(backend, torch.device("cuda"), block_size, torch.bfloat16, 2e-2, heads, kv_heads, HEAD_DIM)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_kernel_compiled_matches_dense_attention(block_size, heads, kv_heads, dtype):
+    needs_backend("triton", dtype, block_size, HEAD_DIM)
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    run_contract("triton", torch.device("cuda"), block_size, dtype, atol, heads, kv_heads, HEAD_DIM)
 
 
 @SHAPES

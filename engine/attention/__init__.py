@@ -2,13 +2,16 @@
 
 - ``torch``: the reference, any device and dtype (engine.attention.torch_ref).
 - ``cpu``: a C++ kernel that reads the paged cache in place, built on first use (engine.attention.cpu).
-- ``varlen``: FlashAttention-2 as shipped in torch (``torch.nn.attention.varlen``), any block
-  size: paged in place at multiples of 256 where this torch can, else a gather per layer.
+- ``varlen``: FlashAttention-2 as shipped in torch (``torch.nn.attention.varlen``), paged in
+  place; block size a multiple of 256.
 - ``flash``: the flash-attn 2 package, paged in place; block size a multiple of 256.
 - ``fa3``: FlashAttention-3 (``flash_attn_interface``), paged in place, any block size; Hopper.
+- ``triton``: a Triton kernel, paged in place, any block size and dtype (CUDA; its source also
+  runs on CPU under ``TRITON_INTERPRET=1``, which is how CI tests it).
 
-``auto`` takes, on CUDA, the first of fa3, flash, varlen that can run on the dtype and block
-size (FlashAttention kernels are float16/bfloat16 only); on CPU, the ``cpu`` kernel where a C++
+Every backend reads K/V blocks in place: none gathers a request's context per layer.
+``auto`` takes, on CUDA, the first of fa3, flash, varlen, triton that can run on the dtype
+and block size (FlashAttention kernels are float16/bfloat16 only); on CPU, the ``cpu`` kernel where a C++
 compiler can build it; else torch. The choice and why are logged.
 """
 
@@ -42,6 +45,11 @@ def _varlen_backend():
     return VarlenAttentionBackend
 
 
+def _triton_backend():
+    from engine.attention.triton_backend import TritonAttentionBackend
+    return TritonAttentionBackend
+
+
 def _flash_backend():
     from engine.attention.flash import FlashAttentionBackend
     return FlashAttentionBackend
@@ -63,20 +71,23 @@ BACKENDS = {
     "torch": BackendSpec(_torch_backend, "nothing beyond torch (any device, any dtype, any block_size)"),
     "cpu": BackendSpec(_cpu_backend, "a CPU device, a C++ compiler and ninja (it builds on first use); "
                                      "float32/bfloat16/float16, head_dim a multiple of 16, any block_size"),
-    "varlen": BackendSpec(_varlen_backend, "a CUDA build of torch with torch.nn.attention.varlen, a CUDA device, "
-                                           "float16/bfloat16 and head_dim a multiple of 8 up to 256 "
-                                           "(any block_size; paged in place at multiples of 256)"),
+    "varlen": BackendSpec(_varlen_backend, "a CUDA build of torch whose torch.nn.attention.varlen.varlen_attn "
+                                           "takes block_table, a CUDA device, float16/bfloat16, head_dim a "
+                                           "multiple of 8 up to 256 and block_size a multiple of 256"),
+    "triton": BackendSpec(_triton_backend, "Triton (it comes with CUDA builds of torch; pip install triton), a CUDA "
+                                           "device and head_dim up to 256; any dtype and block_size"),
     "flash": BackendSpec(_flash_backend, "the flash-attn package (pip install 'slotserve[gpu]'), a CUDA device, "
                                          "float16/bfloat16 and block_size a multiple of 256"),
     "fa3": BackendSpec(_fa3_backend, "FlashAttention-3 (module flash_attn_interface, built from flash-attention's "
                                      "hopper/ folder), a Hopper GPU (compute capability 9.x) and float16/bfloat16; "
                                      "any block_size"),
 }
-AUTO_ORDER = ("fa3", "flash", "varlen")
+AUTO_ORDER = ("fa3", "flash", "varlen", "triton")
 WHY = {
     "fa3": "FlashAttention-3 reads the paged cache in place at any block size",
     "flash": "flash-attn 2 reads the paged cache in place (block_size a multiple of 256)",
-    "varlen": "torch's FlashAttention-2 varlen kernel, no extra package",
+    "varlen": "torch's FlashAttention-2 varlen kernel reads the paged cache in place (block_size a multiple of 256)",
+    "triton": "the Triton kernel reads the paged cache in place at any block size",
 }
 
 
@@ -101,13 +112,22 @@ def backend_problem(name: str, device: torch.device, dtype: torch.dtype, block_s
         return compiler_problem()
     if device.type != "cuda":
         return f"it needs a CUDA device, not {device.type}"
+    if name == "triton":
+        if not _installed("triton"):
+            return "Triton is not installed"
+        return None if head_dim <= 256 else f"head_dim must be at most 256, got {head_dim}"
     if dtype not in HALF:
         return f"FlashAttention kernels take float16/bfloat16, not {str(dtype).removeprefix('torch.')}"
     if head_dim % 8 or head_dim > 256:
         return f"head_dim must be a multiple of 8 up to 256, got {head_dim}"
     if name == "varlen":
-        from engine.attention.varlen import torch_varlen_kernel
-        return None if torch_varlen_kernel() is not None else f"torch {torch.__version__} has no varlen_attn"
+        from engine.attention.varlen import pages_in_place, torch_varlen_kernel
+        kernel = torch_varlen_kernel()
+        if kernel is None:
+            return f"torch {torch.__version__} has no varlen_attn"
+        return None if pages_in_place(kernel, block_size, True) else (
+            f"block_size must be a multiple of 256 and this torch's varlen_attn must take block_table, "
+            f"got block_size {block_size}")
     if name == "flash":
         if not _installed("flash_attn"):
             return "the flash-attn package is not installed"
@@ -153,10 +173,7 @@ def create_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
                    block_size: int, dtype: torch.dtype = torch.float32) -> AttentionBackend:
     resolved, why = resolve_backend(name, device, dtype, block_size, head_dim)
     backend = BACKENDS[resolved].factory()(num_heads, num_kv_heads, head_dim, block_size)
-    mode = ""
-    if resolved == "varlen":
-        mode = ", paged in place" if backend.paged else ", context gathered per layer"
-    logger.info("attention backend: %s%s (asked: %s; %s, %s, block_size %d): %s", resolved, mode, name, device,
+    logger.info("attention backend: %s (asked: %s; %s, %s, block_size %d): %s", resolved, name, device,
                 str(dtype).removeprefix("torch."), block_size, why)
     return backend
 

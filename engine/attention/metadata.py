@@ -2,8 +2,8 @@
 
 Shared by every backend, so it is tested on CPU. Inputs are packed without padding, in the
 order of ``order_chunks``. The host builds a few small integer arrays and ships them in three
-copies; the block table (engine.attention.block_table), the slot mapping and the context
-gather rows are computed on the device with tensor ops, not per token in Python.
+copies; the block table (engine.attention.block_table) and the slot mapping are computed on
+the device with tensor ops, not per token in Python.
 """
 
 from __future__ import annotations
@@ -24,23 +24,6 @@ def order_chunks(chunks) -> tuple[list, int, int]:
     later = [c for c in chunks if c.num_tokens != 1 and c.start > 0]
     first = [c for c in chunks if c.num_tokens != 1 and c.start == 0]
     return decodes + later + first, len(decodes), len(decodes) + len(later)
-
-
-def context_rows(block_table: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int,
-                 num_rows: int) -> torch.Tensor:
-    """Row of the flat cache (``[num_blocks * block_size]``) holding each packed context token.
-
-    Request ``i``'s token ``p`` is packed at ``cu_seqlens_k[i] + p`` and lives in row
-    ``block_table[i, p // block_size] * block_size + p % block_size``. ``num_rows`` may exceed
-    the packed total (a captured step has a fixed size): those entries read row 0, unused."""
-    b, width = block_table.shape
-    t = torch.arange(num_rows, dtype=cu_seqlens_k.dtype, device=block_table.device)
-    req = torch.searchsorted(cu_seqlens_k[1:b + 1], t, right=True)
-    inside = req < b
-    req = req.clamp_(max=b - 1)
-    pos = (t - cu_seqlens_k[req]).long()
-    block = block_table[req, (pos // block_size).clamp_(0, width - 1)].long()
-    return (block * block_size + pos % block_size).masked_fill_(~inside, 0)
 
 
 def build_step_inputs(chunks, block_size: int, device: torch.device, table: BlockTable | None = None):

@@ -1,15 +1,14 @@
 """FlashAttention-2 through torch alone: ``torch.nn.attention.varlen.varlen_attn`` (CUDA).
 
 Cache layout ``[num_blocks, block_size, kv_heads, head_dim]``. The step's new K/V are
-written by slot mapping. First prefill chunks attend to their own K/V with no gather.
-Requests that read cached context (decodes, chunks after a cached prefix) either
-- use the paged kernel, when this torch's ``varlen_attn`` takes ``block_table`` and
-  ``seqused_k`` and ``block_size`` is a multiple of 256 (FlashAttention-2's page size), or
-- gather their context rows once per layer into a buffer sized once (``reserve``), with the
-  row index computed once per step (``plan``), then run varlen causal on the packed copy.
-Causal is ``window_size=(-1, 0)``, aligned bottom-right: query ``j`` of a chunk of ``n``
-over ``L`` keys sees keys ``<= L - n + j``. GQA through ``enable_gqa`` where this torch has
-it, else K/V heads repeated. Capabilities are read off the signature, not the version.
+written by slot mapping. First prefill chunks attend to their own K/V; requests that read
+cached context (decodes, chunks after a cached prefix) use the paged kernel, which needs a
+torch whose ``varlen_attn`` takes ``block_table`` and ``seqused_k`` and a ``block_size`` that
+is a multiple of 256 (FlashAttention-2's page size); other block sizes go to the Triton
+backend (engine.attention.triton_backend). Causal is ``window_size=(-1, 0)``, aligned
+bottom-right: query ``j`` of a chunk of ``n`` over ``L`` keys sees keys ``<= L - n + j``. GQA
+through ``enable_gqa`` where this torch has it, else K/V heads repeated for first chunks.
+Capabilities are read off the signature, not the version.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import inspect
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.metadata import context_rows
 
 PAGED_BLOCK_MULTIPLE = 256
 CAUSAL = (-1, 0)
@@ -48,6 +46,7 @@ def pages_in_place(kernel, block_size: int, gqa: bool) -> bool:
 
 class VarlenAttentionBackend(AttentionBackend):
     name = "varlen"
+    graph_context_buckets = False
 
     def __init__(self, num_heads, num_kv_heads, head_dim, block_size, kernel=None):
         """``kernel``: a function with ``varlen_attn``'s signature (default: torch's)."""
@@ -55,47 +54,24 @@ class VarlenAttentionBackend(AttentionBackend):
         kernel = kernel if kernel is not None else torch_varlen_kernel()
         if kernel is None:
             raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn")
+        self._group = num_heads // num_kv_heads
+        if not pages_in_place(kernel, block_size, self._group > 1):
+            raise ValueError(f"varlen_attn reads a paged cache only with block_table and seqused_k, at block "
+                             f"sizes that are multiples of {PAGED_BLOCK_MULTIPLE} (got {block_size}), and with "
+                             "enable_gqa for grouped-query heads")
         self._attn = kernel
         self._gqa, _ = kernel_features(kernel)
-        self._group = num_heads // num_kv_heads
-        self.paged = pages_in_place(kernel, block_size, self._group > 1)
-        self.graph_context_buckets = not self.paged
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._reserved = 0
         self._step: dict = {}
 
     def allocate_cache(self, num_blocks, dtype, device):
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
-    # ------------------------------------------------------------------ gather buffers
-    def scratch_bytes(self, max_tokens, dtype):
-        return 0 if self.paged else max_tokens * self.token_bytes(dtype)
-
-    def reserve(self, max_tokens, dtype, device):
-        if not self.paged:
-            self._grow(max_tokens, dtype, device)
-            self._reserved = max_tokens
-
-    def _grow(self, n: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        bufs = self._buffers
-        if bufs is None or bufs[0].shape[0] < n or bufs[0].dtype != dtype or bufs[0].device != device:
-            if self._reserved:  # captured graphs hold the old addresses: growing would corrupt them
-                raise RuntimeError(f"a step gathers {n} context tokens, past the {self._reserved} reserved")
-            shape = (n, self.num_kv_heads, self.head_dim)
-            bufs = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
-            self._buffers = bufs
-        return bufs
-
-    # ------------------------------------------------------------------ one step
     def plan(self, meta: AttentionMetadata) -> None:
         g = meta.num_gathered
         split = meta.gathered_tokens
         step = {"g": g, "split": split, "max_q": max(meta.query_lens[:g], default=0),
                 "max_k": max(meta.kv_lens[:g], default=0), "fresh_max": max(meta.query_lens[g:], default=0)}
-        if g and not self.paged:
-            step["n"] = sum(meta.kv_lens[:g])
-            step["rows"] = context_rows(meta.block_table[:g], meta.cu_seqlens_k[:g + 1], self.block_size, step["n"])
         if g < len(meta.query_lens):
             step["fresh_cu"] = meta.cu_seqlens_q[g:] - split
         self._step = step
@@ -119,16 +95,8 @@ class VarlenAttentionBackend(AttentionBackend):
     def _context(self, q, k_cache, v_cache, meta):
         """Requests [0, g): causal over their cached context (which now holds the new tokens)."""
         step, g = self._step, self._step["g"]
-        cu_q, cu_k = meta.cu_seqlens_q[:g + 1], meta.cu_seqlens_k[:g + 1]
-        if self.paged:
-            return self._call(q, k_cache, v_cache, cu_q, cu_k, step["max_q"], step["max_k"],
-                              seqused_k=meta.seqlens_k[:g], block_table=meta.block_table[:g])
-        n, rows = step["n"], step["rows"]
-        k_buf, v_buf = self._grow(n, k_cache.dtype, k_cache.device)
-        hkv, d = self.num_kv_heads, self.head_dim
-        keys = torch.index_select(k_cache.view(-1, hkv, d), 0, rows, out=k_buf[:n])
-        values = torch.index_select(v_cache.view(-1, hkv, d), 0, rows, out=v_buf[:n])
-        return self._call(q, keys, values, cu_q, cu_k, step["max_q"], step["max_k"])
+        return self._call(q, k_cache, v_cache, meta.cu_seqlens_q[:g + 1], meta.cu_seqlens_k[:g + 1], step["max_q"],
+                          step["max_k"], seqused_k=meta.seqlens_k[:g], block_table=meta.block_table[:g])
 
     def _fresh(self, q, k, v):
         """First chunks: causal over their own new K/V, no cache read."""
@@ -140,6 +108,6 @@ class VarlenAttentionBackend(AttentionBackend):
         if self._group > 1:
             if self._gqa:
                 kw["enable_gqa"] = True
-            else:  # an older torch: every query head gets its own copy of its K/V head
+            else:  # an older torch (first chunks only): every query head gets its own copy of its K/V head
                 k, v = k.repeat_interleave(self._group, 1), v.repeat_interleave(self._group, 1)
         return self._attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)

@@ -1,0 +1,70 @@
+"""Triton paged attention (CUDA): reads the paged cache in place at any block size.
+
+Cache layout ``[num_blocks, block_size, kv_heads, head_dim]``. Requests that read cached
+context (decodes, chunks after a cached prefix) go to the Triton kernel
+(engine.attention.triton_paged). First chunks attend to their own new K/V with torch's
+FlashAttention-2 varlen kernel where this torch has one, else the Triton kernel reads them
+from the cache too. No gather, no buffer sized to the longest context: CUDA graphs need no
+context buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.varlen import CAUSAL, kernel_features, torch_varlen_kernel
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    graph_context_buckets = False
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, fresh_kernel="torch"):
+        """``fresh_kernel``: a ``varlen_attn``-like kernel for first chunks; ``"torch"``: torch's, if it
+        has one; None: the Triton kernel takes first chunks too."""
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        from engine.attention.triton_paged import paged_attention
+        self._paged = paged_attention
+        fresh = torch_varlen_kernel() if fresh_kernel == "torch" else fresh_kernel
+        self._gqa = num_heads != num_kv_heads
+        if fresh is not None and self._gqa and not kernel_features(fresh)[0]:
+            fresh = None  # an older varlen_attn without enable_gqa: the Triton kernel takes first chunks too
+        self._fresh_kernel = fresh
+        self._step: dict = {}
+
+    def allocate_cache(self, num_blocks, dtype, device):
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """The request of each packed query row the kernel reads (device ops only: capturable)."""
+        b = len(meta.query_lens)
+        paged = b if self._fresh_kernel is None else meta.num_gathered
+        rows = sum(meta.query_lens[:paged])
+        lens = meta.cu_seqlens_q[1:paged + 1] - meta.cu_seqlens_q[:paged]
+        requests = torch.arange(paged, dtype=torch.int32, device=lens.device)
+        step = {"paged": paged, "rows": rows,
+                "row_request": torch.repeat_interleave(requests, lens, output_size=rows)}
+        if paged < b:
+            step["fresh_cu"] = meta.cu_seqlens_q[paged:] - meta.cu_seqlens_q[paged]
+            step["fresh_max"] = max(meta.query_lens[paged:])
+        self._step = step
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        k_cache, v_cache = kv_cache
+        hkv, d = self.num_kv_heads, self.head_dim
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        step = self._step
+        out = torch.empty_like(q)
+        split = step["rows"]
+        if split:
+            self._paged(out[:split], q[:split], k_cache, v_cache, meta.block_table, meta.seqlens_k,
+                        meta.cu_seqlens_q, step["row_request"], self.scale)
+        if "fresh_cu" in step:
+            cu, n = step["fresh_cu"], step["fresh_max"]
+            gqa = {"enable_gqa": True} if self._gqa else {}
+            out[split:] = self._fresh_kernel(q[split:], k[split:], v[split:], cu, cu, n, n, scale=self.scale,
+                                             window_size=CAUSAL, **gqa)
+        return out.view(q.shape[0], -1)
