@@ -147,6 +147,17 @@ inline void block_values(const float* p, const T* value, int64_t stride, int64_t
   }
 }
 
+// The next block lives anywhere in the pool: the hardware prefetcher cannot guess the jump.
+template <typename T>
+inline void prefetch_block(const T* first, const Shapes& s) {
+  const char* p = reinterpret_cast<const char*>(first);
+  for (int64_t t = 0; t < s.block_size; ++t) {
+    const char* row = p + t * s.k_token * sizeof(T);
+    for (int64_t byte = 0; byte < s.head_dim * static_cast<int64_t>(sizeof(T)); byte += 64)
+      __builtin_prefetch(row + byte, 0, 1);
+  }
+}
+
 // G query heads of one row over the first `len` tokens of one request, one KV head.
 // Scratch: qf [G, head_dim], scores [G, len rounded up to W], acc [G, head_dim / W].
 template <typename T>
@@ -157,6 +168,7 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
   for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   for (int64_t b = 0; b < nblocks; ++b) {
     const T* key = k_cache + blocks[b] * s.k_block + kv_head * s.k_head;
+    if (b + 1 < nblocks) prefetch_block(k_cache + blocks[b + 1] * s.k_block + kv_head * s.k_head, s);
     block_scores(qf, key, s.k_token, std::min(bs, len - b * bs), G, D, scores + b * bs, padded);
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -176,6 +188,7 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
   std::fill(acc, acc + G * (D / W), vfloat{});
   for (int64_t b = 0; b < nblocks; ++b) {
     const T* value = v_cache + blocks[b] * s.k_block + kv_head * s.k_head;
+    if (b + 1 < nblocks) prefetch_block(v_cache + blocks[b + 1] * s.k_block + kv_head * s.k_head, s);
     block_values(scores + b * bs, value, s.k_token, std::min(bs, len - b * bs), G, D, padded, acc);
   }
   for (int64_t g = 0; g < G; ++g) store_row(reinterpret_cast<const float*>(acc + g * (D / W)), out + g * D, D);
