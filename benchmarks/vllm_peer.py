@@ -47,7 +47,8 @@ def run_vllm(requests: list[BenchRequest], settings: BenchSettings,
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
-        proc = subprocess.Popen([python, str(SCRIPT), str(job_path), str(out_path)], stdout=subprocess.PIPE,
+        # -I: the script folder is not put on sys.path (benchmarks/profile.py would shadow the stdlib module)
+        proc = subprocess.Popen([python, "-I", str(SCRIPT), str(job_path), str(out_path)], stdout=subprocess.PIPE,
                                 stderr=sys.stderr, text=True, env=peer_env(settings.threads))
         for line in proc.stdout:
             if line.startswith(PROGRESS_MARK):

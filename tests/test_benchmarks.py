@@ -174,7 +174,10 @@ def test_model_shape_benchmark_runs_on_random_weights_of_that_shape(tmp_path, ca
     run = results["systems"]["continuous"]
     assert {r["id"]: r["output_tokens"] for r in run["requests"]} == asked
     assert results["model"] == "tiny shape, random weights"
-    assert results["settings"]["dtype"] == "float32" and results["environment"]["device"] == "cpu"
+    from engine.cpu_features import fast_bf16  # the harness's auto dtype is the engine's own choice
+
+    assert results["settings"]["dtype"] == ("bfloat16" if fast_bf16() else "float32")
+    assert results["environment"]["device"] == "cpu"
 
 
 def test_model_shapes_write_checkpoints_both_engines_load(tmp_path, monkeypatch):
@@ -187,8 +190,8 @@ def test_model_shapes_write_checkpoints_both_engines_load(tmp_path, monkeypatch)
     monkeypatch.setattr(models, "SHARD_BYTES", 1 << 16)  # several shards and an index, like a hub checkpoint
     path = models.make_shaped_model_dir(tmp_path / "m", "tiny", "float32")
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 1
-    ours = LLM(str(path), device="cpu").generate([{"prompt_token_ids": [5, 6, 7]}],
-                                                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    ours = LLM(str(path), device="cpu", dtype="float32").generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     want = hf.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                        pad_token_id=0)[0, 3:].tolist()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cpu_features import fast_bf16
 from engine.parallel import ParallelGroup
 
 
@@ -50,8 +51,11 @@ def _check_full(loaded, dim: int, expected: int, name: str) -> None:
 
 
 def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linear weights can be prepacked for oneDNN's CPU GEMM (as inductor's freezing does)."""
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    """Whether linear weights can be prepacked for oneDNN's CPU GEMM (as inductor's freezing does):
+    float32, or bfloat16 where the CPU has bfloat16 dot products (oneDNN refuses it elsewhere)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and fast_bf16())
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# `vllm bench serve` (vLLM's own load client) against `vllm serve` and `slotserve serve`, one after
+# the other, same model directory, same requests. Results: $OUT/{vllm,slotserve}.json and .log.
+#
+#   VLLM_VENV=/tmp/peer/venv bash benchmarks/served_vs_vllm.sh [extra `vllm serve` args, e.g. --dtype float32]
+#
+# VLLM_VENV: a venv with vLLM's CPU build (../shared/peers/setup-vllm-cpu.sh makes one). MODEL_DIR:
+# default the converted default model. Each server starts at its defaults (plus the extra args
+# for vLLM) and is stopped before the next one starts.
+set -euo pipefail
+VLLM_VENV=${VLLM_VENV:-/tmp/peer/venv}
+OUT=${OUT:-bench-out/served-vs-vllm}
+MODEL_DIR=${MODEL_DIR:-$(python -c "from engine.models_hub import resolve_model; print(resolve_model('smollm2-135m'))")}
+PROMPTS=${PROMPTS:-64}
+CONCURRENCY=${CONCURRENCY:-16}
+THREADS=${THREADS:-$(nproc)}
+mkdir -p "$OUT"
+
+wait_ready() {  # url, seconds
+  for _ in $(seq "$2"); do curl -sf "$1" >/dev/null && return 0; sleep 1; done
+  echo "no answer from $1 within $2 s" >&2; return 1
+}
+
+bench() {  # name, base url, served model name
+  "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "$2" --model "$3" --tokenizer "$MODEL_DIR" \
+    --dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts "$PROMPTS" \
+    --max-concurrency "$CONCURRENCY" --ignore-eos --save-result --result-dir "$OUT" --result-filename "$1.json" \
+    2>&1 | tee "$OUT/$1-bench.log"
+}
+
+stop() { kill -INT "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+
+start=$(date +%s)
+VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
+  "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --port 8100 "$@" >"$OUT/vllm.log" 2>&1 &
+pid=$!
+wait_ready http://127.0.0.1:8100/v1/models 900
+echo "vllm serve ready in $(( $(date +%s) - start )) s" | tee "$OUT/vllm-ready.txt"
+bench vllm http://127.0.0.1:8100 "$MODEL_DIR"
+stop $pid
+
+start=$(date +%s)
+slotserve serve >"$OUT/slotserve.log" 2>&1 &
+pid=$!
+wait_ready http://127.0.0.1:8000/v1/models 900
+echo "slotserve serve ready in $(( $(date +%s) - start )) s" | tee "$OUT/slotserve-ready.txt"
+bench slotserve http://127.0.0.1:8000 smollm2-135m
+stop $pid
