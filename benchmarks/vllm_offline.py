@@ -19,8 +19,10 @@ def _engine(job):
     from vllm import LLM
 
     s = job["settings"]
+    # vLLM's CPU attention pages at multiples of 32 tokens; elsewhere it keeps its own default.
+    block_size = s["block_size"] if s["block_size"] % 32 == 0 else None
     llm = LLM(model=s["model_dir"], dtype=s["dtype"], max_num_seqs=s["max_num_seqs"],
-              max_num_batched_tokens=s["max_num_batched_tokens"], block_size=s["block_size"],
+              max_num_batched_tokens=s["max_num_batched_tokens"], block_size=block_size,
               enable_prefix_caching=s["enable_prefix_caching"], max_model_len=job["max_model_len"], seed=0)
     return llm.llm_engine
 
