@@ -62,10 +62,18 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.scale = head_dim ** -0.5
 
-    @abstractmethod
     def allocate_cache(self, num_blocks: int, dtype: torch.dtype,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V cache tensors for one layer."""
+        """K and V cache tensors for one layer: ``[num_blocks, block_size, kv_heads, head_dim]``,
+        FlashAttention's paged layout (backends with another layout override this and ``write_kv``)."""
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 meta: AttentionMetadata) -> None:
+        """The step's new K/V into their slots (``slot_mapping``)."""
+        for cache, new in zip(kv_cache, (k, v)):
+            cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, new)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

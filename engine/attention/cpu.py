@@ -102,12 +102,15 @@ class CpuAttentionBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         self._slots = meta.slot_mapping // self.block_size, meta.slot_mapping % self.block_size
 
+    def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
+        block, offset = self._slots
+        for cache, new in zip(kv_cache, (k, v)):
+            cache.transpose(1, 2).index_put_((block, offset), new)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        self.write_kv(k, v, kv_cache, meta)
         # The kernel reads any strides: it gets the caches as [blocks, block_size, kv_heads, d] views.
         k_cache, v_cache = (c.transpose(1, 2) for c in kv_cache)
-        block, offset = self._slots
-        k_cache.index_put_((block, offset), k)
-        v_cache.index_put_((block, offset), v)
         out = torch.empty_like(q)
         g = meta.num_gathered
         split = meta.gathered_tokens

@@ -26,14 +26,9 @@ class FA3AttentionBackend(AttentionBackend):
             from flash_attn_interface import flash_attn_with_kvcache as kernel
         self._attn = kernel
 
-    def allocate_cache(self, num_blocks, dtype, device):
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        self.write_kv(k, v, kv_cache, meta)
         k_cache, v_cache = kv_cache
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = self._attn(q, k_cache, v_cache, cache_seqlens=meta.seqlens_k, page_table=meta.block_table,
                          cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                          softmax_scale=self.scale, causal=True)

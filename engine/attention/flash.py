@@ -29,16 +29,9 @@ class FlashAttentionBackend(AttentionBackend):
             kernels = flash_attn_varlen_func, flash_attn_with_kvcache
         self._varlen, self._with_kvcache = kernels
 
-    def allocate_cache(self, num_blocks, dtype, device):
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        self.write_kv(k, v, kv_cache, meta)
         k_cache, v_cache = kv_cache
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
         nd = meta.num_decodes
         out = torch.empty_like(q)
         if nd:

@@ -56,6 +56,10 @@ class TorchAttentionBackend(AttentionBackend):
         shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
+    def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
+        for cache, new in zip(kv_cache, (k, v)):
+            cache.index_copy_(1, meta.slot_mapping, new.transpose(0, 1))
+
     def scratch_bytes(self, max_tokens, dtype):
         return max_tokens * self.token_bytes(dtype)
 
@@ -81,9 +85,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(h, n * self.block_size, d)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        self.write_kv(k, v, kv_cache, meta)
         k_cache, v_cache = kv_cache
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         for first, end, max_len in self._groups:
             out[first:end] = self._decode_group(q[first:end], k_cache, v_cache, meta, first, end, max_len)

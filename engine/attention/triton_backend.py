@@ -33,10 +33,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._fresh_kernel = fresh
         self._step: dict = {}
 
-    def allocate_cache(self, num_blocks, dtype, device):
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
     def plan(self, meta: AttentionMetadata) -> None:
         """The request of each packed query row the kernel reads (device ops only: capturable)."""
         b = len(meta.query_lens)
@@ -52,10 +48,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._step = step
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        self.write_kv(k, v, kv_cache, meta)
         k_cache, v_cache = kv_cache
-        hkv, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         step = self._step
         out = torch.empty_like(q)
         split = step["rows"]
