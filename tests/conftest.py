@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -52,3 +53,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave without interpreter teardown once every plugin has reported.
+
+    Threads that outlive their tests (daemon engine loops, Ray's client threads, OpenMP teams)
+    can still be in native code while C++ static destructors run at exit, and a crash there
+    would replace the suite's own exit status with a signal."""
+    if _EXIT_STATUS in config.stash:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash[_EXIT_STATUS])
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
