@@ -13,6 +13,7 @@ import torch
 from tests.test_attention import CPU, ref_varlen, run_contract
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
+HALF_TOL = 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,8 @@ def triton_backend():
 
 
 # Under the interpreter every program is Python: the kernel takes the first chunks (the bulk of
-# run_contract's rows) in one test; elsewhere the reference does, and the kernel reads the pages.
+# run_contract's rows) in one float32 test; elsewhere, in float16, a FlashAttention stand-in
+# takes them (as on a GPU in half precision) and the kernel reads the pages.
 def test_triton_kernel_takes_every_chunk_like_dense_attention(triton_backend):
     run_contract(triton_backend(4, 2, 16, 16, fresh_kernel=None), DEVICE, 16, torch.float32, 1e-5)
 
@@ -30,13 +32,13 @@ def test_triton_kernel_takes_every_chunk_like_dense_attention(triton_backend):
 @pytest.mark.parametrize("block_size", [16, 24, 32, 256])
 def test_triton_kernel_pages_like_dense_attention(triton_backend, block_size):
     backend = triton_backend(4, 2, 16, block_size, fresh_kernel=ref_varlen)
-    run_contract(backend, DEVICE, block_size, torch.float32, 1e-5)
+    run_contract(backend, DEVICE, block_size, torch.float16, HALF_TOL)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 4), (6, 2)], ids=["mqa", "mha", "gqa3"])
 def test_triton_kernel_head_layouts(triton_backend, heads, kv_heads):
     backend = triton_backend(heads, kv_heads, 16, 16, fresh_kernel=ref_varlen)
-    run_contract(backend, DEVICE, 16, torch.float32, 1e-5, heads, kv_heads)
+    run_contract(backend, DEVICE, 16, torch.float16, HALF_TOL, heads, kv_heads)
 
 
 def test_first_chunks_go_to_the_varlen_kernel(triton_backend):
@@ -47,10 +49,19 @@ def test_first_chunks_go_to_the_varlen_kernel(triton_backend):
         calls.append(kwargs)
         return ref_varlen(*args, **kwargs)
 
-    run_contract(triton_backend(4, 2, 16, 32, fresh_kernel=fresh), DEVICE, 32, torch.float32, 1e-5)
+    run_contract(triton_backend(4, 2, 16, 32, fresh_kernel=fresh), DEVICE, 32, torch.float16, HALF_TOL)
     assert calls and all(c["window_size"] == (-1, 0) and c["enable_gqa"] for c in calls)
+
+
+def test_float32_first_chunks_stay_in_the_triton_kernel(triton_backend):
+    """FlashAttention-2 takes only half precision: in float32 the kernel reads first chunks too."""
+    def fresh(*args, **kwargs):
+        raise AssertionError("the varlen kernel got a float32 chunk")
+
+    backend = triton_backend(4, 4, 16, 16, fresh_kernel=fresh)
+    run_contract(backend, DEVICE, 16, torch.float32, 1e-5, 4, 4)
 
 
 def test_head_dim_that_is_not_a_power_of_two(triton_backend):
     backend = triton_backend(4, 2, 24, 16, fresh_kernel=ref_varlen)
-    run_contract(backend, DEVICE, 16, torch.float32, 1e-5, head_dim=24)
+    run_contract(backend, DEVICE, 16, torch.float16, HALF_TOL, head_dim=24)

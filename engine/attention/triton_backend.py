@@ -34,30 +34,30 @@ class TritonAttentionBackend(AttentionBackend):
         self._step: dict = {}
 
     def plan(self, meta: AttentionMetadata) -> None:
-        """The request of each packed query row the kernel reads (device ops only: capturable)."""
-        b = len(meta.query_lens)
-        paged = b if self._fresh_kernel is None else meta.num_gathered
-        rows = sum(meta.query_lens[:paged])
-        lens = meta.cu_seqlens_q[1:paged + 1] - meta.cu_seqlens_q[:paged]
-        requests = torch.arange(paged, dtype=torch.int32, device=lens.device)
-        step = {"paged": paged, "rows": rows,
-                "row_request": torch.repeat_interleave(requests, lens, output_size=rows)}
-        if paged < b:
-            step["fresh_cu"] = meta.cu_seqlens_q[paged:] - meta.cu_seqlens_q[paged]
-            step["fresh_max"] = max(meta.query_lens[paged:])
-        self._step = step
+        """The request of each packed query row (device ops only: capturable)."""
+        rows = sum(meta.query_lens)
+        lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
+        requests = torch.arange(len(meta.query_lens), dtype=torch.int32, device=lens.device)
+        g = meta.num_gathered
+        self._step = {"rows": rows, "split": meta.gathered_tokens, "first_chunks": g,
+                      "row_request": torch.repeat_interleave(requests, lens, output_size=rows),
+                      "fresh_max": max(meta.query_lens[g:], default=0)}
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         self.write_kv(k, v, kv_cache, meta)
         k_cache, v_cache = kv_cache
         step = self._step
         out = torch.empty_like(q)
-        split = step["rows"]
+        # FlashAttention-2 takes first chunks in half precision; otherwise the Triton kernel reads them too.
+        fresh = (self._fresh_kernel is not None and q.dtype in (torch.float16, torch.bfloat16)
+                 and step["split"] < step["rows"])
+        split = step["split"] if fresh else step["rows"]
         if split:
             self._paged(out[:split], q[:split], k_cache, v_cache, meta.block_table, meta.seqlens_k,
-                        meta.cu_seqlens_q, step["row_request"], self.scale)
-        if "fresh_cu" in step:
-            cu, n = step["fresh_cu"], step["fresh_max"]
+                        meta.cu_seqlens_q, step["row_request"][:split], self.scale)
+        if fresh:
+            g, n = step["first_chunks"], step["fresh_max"]
+            cu = meta.cu_seqlens_q[g:] - meta.cu_seqlens_q[g]
             gqa = {"enable_gqa": True} if self._gqa else {}
             out[split:] = self._fresh_kernel(q[split:], k[split:], v[split:], cu, cu, n, n, scale=self.scale,
                                              window_size=CAUSAL, **gqa)
