@@ -14,11 +14,18 @@ MODEL_DIR=${MODEL_DIR:-$(python -c "from engine.models_hub import resolve_model;
 PROMPTS=${PROMPTS:-64}
 CONCURRENCY=${CONCURRENCY:-16}
 THREADS=${THREADS:-$(nproc)}
+SYSTEMS=${SYSTEMS:-vllm slotserve}  # one of them alone: SYSTEMS=slotserve
 mkdir -p "$OUT"
 
-wait_ready() {  # url, seconds
-  for _ in $(seq "$2"); do curl -sf "$1" >/dev/null && return 0; sleep 1; done
-  echo "no answer from $1 within $2 s" >&2; return 1
+wait_ready() {  # base url, served model name, seconds
+  # A one-token completion, not /v1/models: an ingress can list models while its engine still
+  # loads or compiles, and startup is counted to the first token either server can give.
+  local body="{\"model\": \"$2\", \"prompt\": \"Hello\", \"max_tokens\": 1}"
+  for _ in $(seq "$3"); do
+    curl -sf -m 600 "$1/v1/completions" -H 'content-type: application/json' -d "$body" >/dev/null && return 0
+    sleep 1
+  done
+  echo "no completion from $1 within $3 s" >&2; return 1
 }
 
 bench() {  # name, base url, served model name
@@ -30,19 +37,25 @@ bench() {  # name, base url, served model name
 
 stop() { kill -INT "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
+run_vllm() {
 start=$(date +%s)
 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
   "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --port 8100 "$@" >"$OUT/vllm.log" 2>&1 &
 pid=$!
-wait_ready http://127.0.0.1:8100/v1/models 900
-echo "vllm serve ready in $(( $(date +%s) - start )) s" | tee "$OUT/vllm-ready.txt"
+wait_ready http://127.0.0.1:8100 "$MODEL_DIR" 900
+echo "vllm serve gave its first token $(( $(date +%s) - start )) s after its start" | tee "$OUT/vllm-ready.txt"
 bench vllm http://127.0.0.1:8100 "$MODEL_DIR"
 stop $pid
+}
 
+run_slotserve() {
 start=$(date +%s)
 slotserve serve >"$OUT/slotserve.log" 2>&1 &
 pid=$!
-wait_ready http://127.0.0.1:8000/v1/models 900
-echo "slotserve serve ready in $(( $(date +%s) - start )) s" | tee "$OUT/slotserve-ready.txt"
+wait_ready http://127.0.0.1:8000 smollm2-135m 900
+echo "slotserve serve gave its first token $(( $(date +%s) - start )) s after its start" | tee "$OUT/slotserve-ready.txt"
 bench slotserve http://127.0.0.1:8000 smollm2-135m
 stop $pid
+}
+
+for system in $SYSTEMS; do "run_$system" "$@"; done

@@ -8,6 +8,7 @@ and rejects unknown ones by name instead of silently dropping them.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import field
 from typing import Any, Literal
@@ -95,8 +96,11 @@ class EngineConfig:
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """``auto``: on CUDA the first that runs here of fa3, flash, varlen (FlashAttention kernels) and
     triton; on CPU the ``cpu`` kernel (built on first use); else torch."""
-    enforce_eager: Bool = False
-    """No CUDA graphs: decode steps run eagerly too (graphs are only ever used on CUDA)."""
+    enforce_eager: Bool = Field(default_factory=lambda: os.environ.get("SLOTSERVE_ENFORCE_EAGER", "") == "1")
+    """Run the model eagerly: no compiled model on CPU (engine.model.compiled: ~25 s at start with a
+    warm inductor cache, ~2.5 min cold, for the default model on 2 cores), no CUDA graphs on GPU.
+    Default: ``$SLOTSERVE_ENFORCE_EAGER == "1"`` (the test suite sets it, so only the tests of the
+    compiled path pay for compiling)."""
     profile: Bool = False
     """Time the phases of each step (schedule, prepare, forward, sample, output) into stats."""
     num_threads: Int | None = Field(None, ge=1)

@@ -25,6 +25,7 @@ from engine.cpu_features import fast_bf16
 from engine.cuda_graphs import DecodeGraphs
 from engine.memory import MemoryBudget, dummy_prefill, measure_peak, outside_torch_bytes, worst_case_sampling
 from engine.model import ModelArch, load_model
+from engine.model.compiled import CompiledDecoder
 from engine.model.layers import cpu_prepack_supported
 from engine.parallel import ParallelGroup
 from engine.sampler import Sampler, SamplingBatch
@@ -72,6 +73,10 @@ class ModelRunner:
         if cpu_prepack_supported(self.device, self.dtype):
             # Decode steps run about max_num_seqs rows through every linear layer.
             self.model.prepack(config.scheduler.max_num_seqs)
+        # Compiled on CPU alone: CUDA has its graphs, and tensor-parallel ranks all-reduce mid-layer.
+        self.compiled: CompiledDecoder | None = None
+        if self.device.type == "cpu" and not config.enforce_eager and self.group.world_size == 1:
+            self.compiled = CompiledDecoder(self.model)
         self.num_layers = arch.num_layers
         self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs
@@ -97,6 +102,23 @@ class ModelRunner:
                 self.graphs.capture()
         self.send_step: Callable[[list], None] | None = None
         """Rank 0 with tensor parallelism: hands each step to the other ranks before running it."""
+        self.compile_s: float | None = None
+        """Seconds the start-up compilation took (a warm inductor cache makes it short)."""
+        if self.compiled is not None:
+            self.compile_s = self.compiled.warm_up(self._warm_up_step)
+
+    @torch.inference_mode()
+    def _warm_up_step(self, num_tokens: int) -> None:
+        """A throwaway first chunk of ``num_tokens`` in the pool's first blocks (no request owns them yet)."""
+        chunks, _ = dummy_prefill(num_tokens, 1, self.max_model_len, self.block_size)
+        _, input_ids, positions, meta, logits_idx = build_step_inputs(chunks, self.block_size, self.device)
+        self._forward(input_ids, positions, meta, logits_idx)
+
+    def _forward(self, input_ids, positions, meta, logits_idx):
+        self.backend.plan(meta)
+        if self.compiled is not None:
+            return self.compiled(input_ids, positions, self.kv_caches, meta, logits_idx, self.backend)
+        return self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
 
     # ------------------------------------------------------------------ KV pool
     def _pool_size(self) -> int:
@@ -169,8 +191,7 @@ class ModelRunner:
             reqs = [c.request for c in sampling]
             batch = SamplingBatch.build(reqs, self.device) if reqs else None
             t1 = time.perf_counter()
-            self.backend.plan(meta)
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+            logits = self._forward(input_ids, positions, meta, logits_idx)
         else:
             rows = [i for i, c in enumerate(chunks) if c.samples]
             reqs = [chunks[i].request for i in rows]

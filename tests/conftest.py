@@ -12,6 +12,9 @@ import torch
 # on before triton is first imported: it decides when a kernel is decorated.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines run eagerly unless a test asks for the compiled model (engine.model.compiled): compiling
+# costs seconds to minutes per engine. Set here, so Ray processes started by tests inherit it too.
+os.environ["SLOTSERVE_ENFORCE_EAGER"] = "1"
 
 
 @pytest.fixture(scope="session")

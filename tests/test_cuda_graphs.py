@@ -153,7 +153,7 @@ def test_captured_replay_gives_the_eager_tokens_for_every_bucket(gpu_model_dir, 
     opts = {"device": "cuda", "dtype": dtype, "block_size": 16, "max_num_seqs": 16, "max_model_len": 512,
             "num_kv_blocks": 600}
     eager = LLM(str(gpu_model_dir), enforce_eager=True, **opts)
-    graphed = LLM(str(gpu_model_dir), **opts)
+    graphed = LLM(str(gpu_model_dir), enforce_eager=False, **opts)
     runner = graphed.engine.runner
     assert eager.engine.runner.graphs is None and runner.graphs is not None
     assert set(runner.graphs._graphs) == set(runner.graphs.keys)

@@ -64,7 +64,7 @@ class BlockTable:
         if index:
             writes = torch.tensor([index, values], dtype=torch.int64)
             if self.device.type != "cpu":
-                writes = writes.to(self.device, non_blocking=True)
+                writes = writes.pin_memory().to(self.device, non_blocking=True)  # pageable memory would block
             self.table.view(-1).index_copy_(0, writes[0], writes[1].to(torch.int32))
         return rows
 

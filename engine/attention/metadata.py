@@ -60,7 +60,9 @@ def build_step_inputs(chunks, block_size: int, device: torch.device, table: Bloc
     per_request = torch.tensor(rows + [cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64)
     lengths = torch.tensor(cu_q + [0, *itertools.accumulate(kv_lens)] + kv_lens, dtype=torch.int32)
     if device.type != "cpu":
-        per_token, per_request, lengths = (t.to(device, non_blocking=True) for t in (per_token, per_request, lengths))
+        # Pinned (torch's host allocator caches the pages): a copy from pageable memory would block.
+        per_token, per_request, lengths = (t.pin_memory().to(device, non_blocking=True)
+                                           for t in (per_token, per_request, lengths))
     input_ids, pos, token_rows = per_token.unbind()
     block_table = table.gather(per_request[:b], -(-max(kv_lens) // block_size))
     slots = block_table[token_rows, pos // block_size].long() * block_size + pos % block_size

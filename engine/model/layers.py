@@ -89,12 +89,21 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         _copy_checked(param, _whole(loaded), type(self).__name__)
 
+    packed_index: int = -1
+    """This layer's number in the compiled model's list of packed layers (engine.model.compiled)."""
+
     def prepack(self, batch_hint: int) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
         self.weight.data = self.weight.data.new_empty(0)
 
+    def _linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        if self.packed is not None and torch.compiler.is_compiling():
+            # A packed oneDNN weight cannot be traced: the compiled graph names the layer instead.
+            return torch.ops.slotserve.packed_linear(x, self.packed_index, self.packed.shape[0], with_bias)
+        return linear(x, self.weight, self.bias if with_bias else None, self.packed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self._linear(x, True)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -173,7 +182,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param, _part(loaded, 1, self.in_start, param.shape[1]), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(linear(x, self.weight, None, self.packed))
+        y = self.group.all_reduce(self._linear(x, False))
         return y if self.bias is None else y + self.bias
 
 

@@ -52,7 +52,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
+        if meta is None:  # compiled: the step's metadata reaches the op out of band
+            out = torch.ops.slotserve.attention(q, k, v, kv_cache[0], kv_cache[1])
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -96,10 +100,19 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[len(logits_indices), vocab]`` for the selected token rows only (on rank 0;
         other tensor-parallel ranks compute their vocabulary slice and get None)."""
+        return self.logits(self.hidden_states(input_ids, positions, kv_caches, meta), logits_indices)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                      meta: AttentionMetadata | None) -> torch.Tensor:
+        """The last layer's output for every token. ``meta`` None: attention goes through
+        ``slotserve::attention`` (engine.model.compiled), which reads the step context."""
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, kv_cache, meta)
-        logits = self.lm_head(self.norm(x.index_select(0, logits_indices)))
+        return x
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(self.norm(hidden.index_select(0, logits_indices)))
         return None if logits is None else logits.float()
 
     def prepack(self, batch_hint: int) -> None:

@@ -1,0 +1,117 @@
+"""The decoder stack under ``torch.compile``, attention and GEMMs left opaque.
+
+Dynamo traces the layers once with the step's token count dynamic (and once more for
+one-token steps, which it specializes). Two custom ops stay opaque to inductor:
+
+- ``slotserve::attention``: whichever backend the engine picked (the CPU kernel,
+  FlashAttention, Triton) runs unchanged inside the graph; the step's metadata (Python lists,
+  per-step tensors) reaches it out of band, through ``step_context``, so it never becomes a
+  guard that would recompile every step (vLLM passes its forward context the same way).
+- ``slotserve::packed_linear`` (CPU): the oneDNN GEMM over the weights ``prepack`` packed, as
+  the eager model runs it. A packed oneDNN tensor can be neither traced nor written to
+  inductor's disk cache, so the graph names each layer by its index in the model instead.
+
+What inductor gains is everything between them: RMSNorm, rotary, SiLU·mul and the residual
+adds become a few fused loops per layer instead of ~40 small ops, each a Python dispatch and
+an OpenMP launch. The final norm and LM head stay outside: they run on the rows that sample,
+whose count may be zero, and the LM head is one large GEMM that fusion does not help.
+
+Compiled code is cached on disk by inductor (``$SLOTSERVE_CACHE/inductor``, default
+``~/.cache/slotserve/inductor``) under keys that hash the traced graph, torch's version and
+inductor's settings: a model of another shape or a change to this code traces another graph
+and never meets a stale entry. Weights are graph inputs, not constants baked into the code,
+so two checkpoints of one shape share cached code, never weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_step = threading.local()
+"""The running step's (backend, metadata, packed layers): per thread, as engines may share a process."""
+
+
+@contextlib.contextmanager
+def step_context(backend: AttentionBackend, meta: AttentionMetadata, packed_layers: list) -> Iterator[None]:
+    _step.current = (backend, meta, packed_layers)
+    try:
+        yield
+    finally:
+        _step.current = None
+
+
+def _current() -> tuple:
+    current = getattr(_step, "current", None)
+    if current is None:
+        raise RuntimeError("a compiled slotserve op ran outside step_context")
+    return current
+
+
+@torch.library.custom_op("slotserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, index: int, out_features: int, with_bias: bool) -> torch.Tensor:
+    """``x @ W.T (+ b)`` with the running model's packed layer ``index`` (oneDNN, as in eager)."""
+    layer = _current()[2][index]
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias if with_bias else None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, index, out_features, with_bias):
+    return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.custom_op("slotserve::attention", mutates_args=("k_cache", "v_cache"))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> torch.Tensor:
+    """One layer's paged attention with the step context's backend and metadata."""
+    backend, meta, _ = _current()
+    return backend.forward(q, k, v, (k_cache, v_cache), meta)
+
+
+@attention.register_fake
+def _(q, k, v, k_cache, v_cache):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def inductor_cache_dir() -> Path:
+    root = os.environ.get("SLOTSERVE_CACHE")
+    return (Path(root).expanduser() if root else Path("~/.cache/slotserve").expanduser()) / "inductor"
+
+
+class CompiledDecoder:
+    """The model's ``hidden_states`` compiled; called like the eager model (plus the backend)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        # Inductor reads its cache folder from the environment when it first needs it.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+        self.model = model
+        self.packed_layers = [m for m in model.modules() if getattr(m, "packed", None) is not None
+                              and hasattr(m, "packed_index")]
+        for index, layer in enumerate(self.packed_layers):
+            layer.packed_index = index
+        self._hidden = torch.compile(model.hidden_states, dynamic=True, fullgraph=True)
+
+    def __call__(self, input_ids, positions, kv_caches, meta, logits_indices, backend):
+        with step_context(backend, meta, self.packed_layers):
+            hidden = self._hidden(input_ids, positions, kv_caches, None)
+        return self.model.logits(hidden, logits_indices)
+
+    def warm_up(self, run_step: Callable[[int], None]) -> float:
+        """Compile every graph a step can need (one token, and many); returns the seconds taken."""
+        t0 = time.perf_counter()
+        for num_tokens in (1, 2):
+            run_step(num_tokens)
+        seconds = time.perf_counter() - t0
+        logger.info("model compiled in %.1f s (inductor cache %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        return seconds

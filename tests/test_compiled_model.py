@@ -1,0 +1,67 @@
+"""The compiled model (engine.model.compiled) gives HF's greedy tokens, and a warm compile cache
+never serves another model's weights.
+
+The only tests that compile: the rest of the suite runs engines eagerly (conftest sets
+SLOTSERVE_ENFORCE_EAGER). Qwen3 (q/k norm) on a few layers covers every op the Llama family uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.model import compiled
+from tests.factories import make_model_dir
+from tests.test_engine_oracle import MAX_NEW, _hf_greedy, _prompts
+
+# A budget of 16 tokens: prompts go in chunks, some steps hold decodes beside a chunk, and a
+# 1-token prompt makes one-token steps (the specialized graph) as well as many-token ones.
+OPTIONS = dict(device="cpu", dtype="float32", block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+               num_kv_blocks=96, enforce_eager=False)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two qwen3 checkpoints of one shape and different weights, with HF's greedy tokens for each."""
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    for seed in (5, 6):
+        path = make_model_dir(tmp_path_factory.mktemp(f"compiled{seed}"), "qwen3", seed=seed, with_tokenizer=False)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out.append((path, [_hf_greedy(hf, p, MAX_NEW) for p in _prompts()]))
+    return out
+
+
+def test_compiled_engine_gives_hf_greedy_tokens_and_a_cached_compile_no_stale_weights(models):
+    (first, want_first), (second, want_second) = models
+    assert want_first != want_second
+    llm = LLM(str(first), **OPTIONS)
+    runner = llm.engine.runner
+    assert runner.compiled is not None and runner.compile_s > 0
+    assert _greedy(llm) == want_first
+    # Same shapes, so the same graphs: the second engine's compile finds them in the cache.
+    llm2 = LLM(str(second), **OPTIONS)
+    assert _greedy(llm2) == want_second
+    assert _greedy(llm) == want_first  # and the first engine's graphs still read its own weights
+
+
+def test_enforce_eager_runs_the_model_uncompiled(models):
+    llm = LLM(str(models[0][0]), **{**OPTIONS, "enforce_eager": True})
+    assert llm.engine.runner.compiled is None and llm.engine.runner.compile_s is None
+    assert _greedy(llm) == models[0][1]
+
+
+def test_compiled_ops_outside_a_step_fail_clearly():
+    q = torch.zeros(1, 2, 16)
+    with pytest.raises(RuntimeError, match="outside step_context"):
+        compiled.attention(q, q[:, :1], q[:, :1], q, q)
