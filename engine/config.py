@@ -11,11 +11,19 @@ import dataclasses
 import os
 import re
 from dataclasses import field
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
 from engine.validation import Bool, Float, Int, Str, validated
+
+def cache_dir(kind: str) -> Path:
+    """``$SLOTSERVE_CACHE/<kind>``, default ``~/.cache/slotserve/<kind>``: what slotserve builds once
+    per machine (CPU kernels, compiled graphs)."""
+    root = os.environ.get("SLOTSERVE_CACHE")
+    return (Path(root) if root else Path("~/.cache/slotserve")).expanduser() / kind
+
 
 SCHEDULING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

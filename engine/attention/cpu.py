@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import cache_dir
 from engine.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,7 @@ def _cpu_flags() -> str:
 
 
 def kernel_dir() -> Path:
-    root = os.environ.get("SLOTSERVE_CACHE")
-    base = Path(root).expanduser() if root else Path("~/.cache/slotserve").expanduser()
-    return base / "kernels"
+    return cache_dir("kernels")
 
 
 def kernel_name() -> str:

@@ -30,12 +30,12 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +84,12 @@ def _(q, k, v, k_cache, v_cache):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def inductor_cache_dir() -> Path:
-    root = os.environ.get("SLOTSERVE_CACHE")
-    return (Path(root).expanduser() if root else Path("~/.cache/slotserve").expanduser()) / "inductor"
-
-
 class CompiledDecoder:
     """The model's ``hidden_states`` compiled; called like the eager model (plus the backend)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         # Inductor reads its cache folder from the environment when it first needs it.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
         self.model = model
         self.packed_layers = [m for m in model.modules() if getattr(m, "packed", None) is not None
                               and hasattr(m, "packed_index")]
