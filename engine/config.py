@@ -18,6 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from engine.validation import Bool, Float, Int, Str, validated
 
+
 def cache_dir(kind: str) -> Path:
     """``$SLOTSERVE_CACHE/<kind>``, default ``~/.cache/slotserve/<kind>``: what slotserve builds once
     per machine (CPU kernels, compiled graphs)."""

@@ -2,7 +2,7 @@
 never serves another model's weights.
 
 The only tests that compile: the rest of the suite runs engines eagerly (conftest sets
-SLOTSERVE_ENFORCE_EAGER). Qwen3 (q/k norm) on a few layers covers every op the Llama family uses.
+SLOTSERVE_ENFORCE_EAGER). Qwen3 on two layers: q/k norm, GQA, SiLU, untied head.
 """
 
 from __future__ import annotations

@@ -77,6 +77,8 @@ def _attach(param: nn.Parameter, loader) -> nn.Parameter:
 class LinearBase(nn.Module):
     packed: torch.Tensor | None = None
     """oneDNN-packed weight (CPU, after ``prepack``); the dense weight is then released."""
+    packed_index: int = -1
+    """This layer's number in the compiled model's list of packed layers (engine.model.compiled)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup) -> None:
         super().__init__()
@@ -88,9 +90,6 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         _copy_checked(param, _whole(loaded), type(self).__name__)
-
-    packed_index: int = -1
-    """This layer's number in the compiled model's list of packed layers (engine.model.compiled)."""
 
     def prepack(self, batch_hint: int) -> None:
         self.packed = pack_weight(self.weight, batch_hint)
