@@ -23,7 +23,7 @@ from ray.serve.config import AutoscalingConfig
 from deployments.app_config import AppConfig
 from deployments.frontend import FrontendConfig
 from deployments.ingress import ENGINE_DEPLOYMENT, RouterIngress
-from deployments.link import LINK_TOKEN_ENV, new_token
+from deployments.link import LINK_TOKEN_ENV, LinkTls, new_token
 from deployments.replica import ServeEngineReplica
 from deployments.tp_launcher import NOSET_VISIBLE_DEVICES
 
@@ -138,9 +138,10 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
     # A fixed token (a Secret on Kubernetes) keeps redeploys of an unchanged app from restarting
     # every replica: the token is a constructor argument, part of the deployments' version.
     link_token = (os.environ.get(LINK_TOKEN_ENV) or new_token()) if cfg.engine_link and multiplexed(cfg) else None
+    link_tls = LinkTls(**cfg.engine_link_tls.model_dump()) if cfg.engine_link_tls and link_token else None
     engine = serve.deployment(ServeEngineReplica, **engine_deployment_options(cfg)).bind(
         cfg.model, replica_engine_options(cfg), drain_timeout_s=cfg.drain_timeout_s, model_name=cfg.model_name,
-        link_token=link_token)
+        link_token=link_token, link_tls=link_tls)
     # The ingress holds the client side of every stream: when the app stops it must outlast
     # the engines' drain, or Serve's default 20 s grace cuts streams the engines still serve.
     ingress = serve.deployment(RouterIngress, name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress.num_replicas,
@@ -148,4 +149,4 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
                                max_ongoing_requests=cfg.ingress.max_ongoing_requests,
                                graceful_shutdown_timeout_s=cfg.drain_timeout_s + 10.0,
                                graceful_shutdown_wait_loop_s=0.5)
-    return ingress.bind(engine, frontend_config(cfg), cfg.max_body_bytes, multiplexed(cfg), link_token)
+    return ingress.bind(engine, frontend_config(cfg), cfg.max_body_bytes, multiplexed(cfg), link_token, link_tls)

@@ -81,6 +81,18 @@ class IngressOptions(BaseModel):
     """Concurrent streams one ingress replica holds (Serve's default of 5 would throttle it)."""
 
 
+class LinkTlsFiles(BaseModel):
+    """Mutual TLS on engine links: PEM paths present on every node (a mounted Secret on Kubernetes)."""
+
+    model_config = _CONFIG
+
+    certfile: Str = Field(min_length=1)
+    keyfile: Str = Field(min_length=1)
+    cafile: Str = Field(min_length=1)
+    """The CA that signed every node's certificate: keep it for this application alone (a
+    certificate it signed is the peer's identity; node IPs are not checked as names)."""
+
+
 class AppConfig(BaseModel):
     model_config = _CONFIG
 
@@ -104,6 +116,8 @@ class AppConfig(BaseModel):
     calls and streams. It rides on the ingress's one stream per replica, so it applies with
     ``routing: slot_aware`` and an autoscaling policy other than Serve's (an explicit ``true``
     with either is refused)."""
+    engine_link_tls: LinkTlsFiles | None = None
+    """Encrypt engine links and authenticate both ends by certificate, besides the token."""
     max_ongoing_requests: Int | None = Field(None, ge=1)
     """Per engine replica; default max_num_seqs + max_waiting + 16, so the engine's own
     queue (and its overload error) is what bounds a replica, not Serve's."""

@@ -259,7 +259,8 @@ class Frontend:
         await inflight.stream.aclose()
         if kind != "overloaded":  # give Serve a moment to stop routing to the dead replica
             await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (retries[kind] - 1))
-        inflight.stream = self._engine.generate(req.engine_request(resume_token_ids=done))
+        inflight.stream = self._engine.generate(req.engine_request(resume_token_ids=done,
+                                                                   attempt=sum(retries.values())))
 
     async def _room_elsewhere(self) -> bool:
         """Whether some healthy replica has a free slot (then the router sends the retry there)."""

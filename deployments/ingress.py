@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.grpc_service import SlotServeGrpcMixin
-from deployments.link import LinkTransport
+from deployments.link import LinkTls, LinkTransport
 from deployments.mux import MuxEngineClient
 from deployments.openai_api import build_openai_app
 
@@ -126,7 +126,7 @@ class HandleEngineClient:
 @serve.ingress()
 class RouterIngress(SlotServeGrpcMixin):
     def __init__(self, engine: DeploymentHandle, frontend_config: FrontendConfig, max_body_bytes: int,
-                 multiplex: bool = True, link_token: str | None = None) -> None:
+                 multiplex: bool = True, link_token: str | None = None, link_tls: LinkTls | None = None) -> None:
         """``multiplex``: one stream per engine replica (deployments.mux); it needs the slot-aware
         router, which honours the replica a call names. Off: one Serve stream per request.
         ``link_token``: that stream is an engine link (deployments.link), outside Serve's calls."""
@@ -140,7 +140,7 @@ class RouterIngress(SlotServeGrpcMixin):
             from router import inflight
             if link_token:
                 choose = functools.partial(inflight.choose, f"{app_name}#{ENGINE_DEPLOYMENT}")
-                client = LinkTransport(client, link_token, choose)
+                client = LinkTransport(client, link_token, choose, tls=link_tls)
             client = MuxEngineClient(client, on_done=inflight.request_finished)
         self.frontend = Frontend(frontend_config, tokenizer, client)
         self._max_body_bytes = max_body_bytes

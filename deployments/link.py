@@ -10,11 +10,10 @@ that replica, which answers on the same connection with one frame per engine ste
 still builds, scales, health-checks and routes everything else (the first requests before
 the router has heard from any replica, ``model_info``, loads, drains).
 
-Frames are a 4-byte length and a pickle, as Ray's own calls are: the link listens on the
-node's address like Ray's ports do, and no frame is unpickled on either side before both have
-proved they hold the application's random token (``new_token``): each sends a fresh nonce and
-an HMAC of both nonces under the token, so the token never crosses the wire and a recorded
-handshake cannot be replayed. Both sides probe an idle connection (TCP keepalive), and the
+Frames are typed MessagePack (``deployments.link_wire``): nothing read from the socket is
+unpickled or run, and no frame is read at all before both sides have proved they hold the
+application's random token (``new_token``): each sends a fresh nonce and an HMAC of both nonces
+under the token, so the token never crosses the wire and a recorded handshake cannot be replayed. Both sides probe an idle connection (TCP keepalive), and the
 replica bounds what a stalled ingress can make it buffer.
 
 ``LinkServer`` is the replica's side (over its ``mux.ReplicaHub``), ``LinkTransport`` the
@@ -33,11 +32,13 @@ import time
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from deployments.errors import Unavailable
-from deployments.link_wire import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, check_token, frame, frames, keepalive,
-                                   mac, new_token, portable, read_frame)
-from deployments.mux import Item, ReplicaHub
+import msgspec
 
-__all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTransport", "check_token", "new_token"]
+from deployments.link_wire import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, Abort, Hello, LinkTls, Submit, check_token,
+                                   frame, keepalive, mac, new_token, outputs, read_ingress_frame, read_outputs)
+from deployments.mux import Item, ReplicaHub, wire_id
+
+__all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTls", "LinkTransport", "check_token", "new_token"]
 
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("ray.serve")
@@ -76,12 +77,13 @@ class Replica(Protocol):
 
 
 class LinkServer:
-    """A replica's link endpoint: the handshake and ``("hello", ingress_id)``, then
-    ``("submit", request)`` and ``("abort", request_id)`` frames in; batches of
-    ``(request_id, message, error)`` out."""
+    """A replica's link endpoint: the handshake and a ``Hello``, then ``Submit`` and ``Abort``
+    frames in; batches of ``Output`` out (``deployments.link_wire``)."""
 
-    def __init__(self, replica: Replica, hub: ReplicaHub, token: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, replica: Replica, hub: ReplicaHub, token: str, host: str = "127.0.0.1",
+                 tls: LinkTls | None = None) -> None:
         check_token(token)
+        self._ssl = tls.context(server=True) if tls is not None else None
         self._replica = replica
         self._hub = hub
         self._token = bytes.fromhex(token)
@@ -95,7 +97,9 @@ class LinkServer:
         self.requests = 0  # submitted over links (reported with the routing stats)
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, sock=self._sock)
+        self._server = await asyncio.start_server(
+            self._serve, sock=self._sock, ssl=self._ssl,
+            ssl_handshake_timeout=HELLO_TIMEOUT_S if self._ssl is not None else None)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
         """The ingress's id once it proved it holds the token; None (logged) when it did not."""
@@ -109,8 +113,8 @@ class LinkServer:
             logger.warning("engine link from %s refused: wrong token", writer.get_extra_info("peername"))
             return None
         async with asyncio.timeout(HELLO_TIMEOUT_S):
-            kind, ingress_id = await read_frame(reader)
-        return ingress_id if kind == "hello" and isinstance(ingress_id, str) else None
+            hello = await read_ingress_frame(reader)
+        return hello.ingress_id if isinstance(hello, Hello) else None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         me = asyncio.current_task()
@@ -134,16 +138,20 @@ class LinkServer:
             forward = asyncio.create_task(self._forward(ingress_id, writer, started))
             forward.add_done_callback(lambda _: writer.close())  # a broken forwarder ends the link
             while True:
-                kind, value = await read_frame(reader)
-                if kind == "submit":
-                    await self._submit(value, writer, started)
-                elif kind == "abort":
-                    self._replica.abort(value)
+                message = await read_ingress_frame(reader)
+                if isinstance(message, Submit):
+                    await self._submit(message.request.as_dict(), writer, started)
+                elif isinstance(message, Abort):
+                    self._replica.abort(message.request_id)
+                else:
+                    raise ValueError(f"unexpected {type(message).__name__} frame")
         except (asyncio.IncompleteReadError, OSError, asyncio.TimeoutError):
             pass  # the ingress went away (or its keepalive expired): cancelling the forwarder aborts its requests
         except asyncio.CancelledError:
             pass  # closed by us (shutdown, or replaced by a newer link of its ingress)
-        except Exception:  # noqa: BLE001 - a bad frame ends this link, never the replica
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:  # a bad frame ends this link
+            logger.warning("engine link from %s closed: bad frame (%s)", writer.get_extra_info("peername"), exc)
+        except Exception:  # noqa: BLE001 - anything else ends this link too, never the replica
             logger.exception("engine link from %s failed", writer.get_extra_info("peername"))
         finally:
             if forward is not None:
@@ -163,7 +171,7 @@ class LinkServer:
             await self._replica.submit(request)
         except Exception as exc:  # noqa: BLE001 - refused (shutting down): its stream hears it
             started.pop(request["request_id"], None)
-            writer.write(frame(portable([(request.get("request_id"), None, exc)])))
+            writer.write(outputs([(wire_id(request), None, exc)]))
 
     async def _forward(self, ingress_id: str, writer: asyncio.StreamWriter, started: dict[str, float]) -> None:
         async with contextlib.aclosing(self._hub.subscribe(ingress_id, idle_end_s=None)) as batches:
@@ -171,7 +179,7 @@ class LinkServer:
                 if len(batch) > MAX_BACKLOG_ITEMS:
                     logger.warning("ingress %s left %d outputs unread: closing its link", ingress_id, len(batch))
                     return
-                writer.write(frames(batch))
+                writer.write(outputs(batch))
                 for rid, message, exc in batch:
                     if exc is not None or message.get("finish_reason") is not None:
                         t0 = started.pop(rid, None)
@@ -205,17 +213,19 @@ class _Link:
         self.writer = writer
         self.closed = False
 
-    def send(self, kind: str, value: Any) -> None:
+    def send(self, message: Submit | Abort) -> None:
         if self.closed:
             raise Unavailable(f"the link to engine replica {self.replica_id} is closed")
-        self.writer.write(frame((kind, value)))
+        self.writer.write(frame(message))
 
     async def batches(self) -> AsyncIterator[list[Item]]:
         try:
             while True:
-                yield await read_frame(self.reader)
+                yield await read_outputs(self.reader)
         except (asyncio.IncompleteReadError, OSError) as exc:  # OSError: also a keepalive's ETIMEDOUT
             raise Unavailable(f"engine replica {self.replica_id} closed its link ({type(exc).__name__})") from None
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise Unavailable(f"engine replica {self.replica_id} sent a bad frame ({exc})") from None
         finally:
             self.close()
 
@@ -240,8 +250,9 @@ class LinkTransport:
     still come over the link.
     """
 
-    def __init__(self, serve: Any, token: str, choose: Chooser) -> None:
+    def __init__(self, serve: Any, token: str, choose: Chooser, tls: LinkTls | None = None) -> None:
         check_token(token)
+        self._ssl = tls.context(server=False) if tls is not None else None
         self._serve = serve
         self._token = bytes.fromhex(token)
         self._choose = choose
@@ -267,7 +278,7 @@ class LinkTransport:
         replica_id, address = choice
         self._addresses[replica_id] = address
         link = await self._link(replica_id)
-        link.send("submit", request)
+        link.send(Submit(request))
         return replica_id
 
     async def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list[Item]]:
@@ -291,7 +302,7 @@ class LinkTransport:
         link = self._links.get(replica_id)
         if link is None or link.closed:
             return await self._serve.abort_on(request_id, replica_id)
-        link.send("abort", request_id)
+        link.send(Abort(request_id))
         return True
 
     async def _link(self, replica_id: str) -> _Link:
@@ -311,7 +322,7 @@ class LinkTransport:
         host, _, port = address.rpartition(":")
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+                reader, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=self._ssl)
         except (OSError, asyncio.TimeoutError) as exc:
             self._lost(replica_id)
             raise Unavailable(f"engine replica {replica_id} at {address} unreachable: {exc!r}") from None
@@ -332,7 +343,7 @@ class LinkTransport:
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Prove the token to the replica, and have it prove the token first (nothing it sends is
-        unpickled before that)."""
+        read before that)."""
         nonce = secrets.token_bytes(NONCE_BYTES)
         writer.write(nonce)
         answer = await reader.readexactly(NONCE_BYTES + MAC_BYTES)
@@ -340,7 +351,7 @@ class LinkTransport:
         if not hmac.compare_digest(proof, mac(self._token, b"replica", nonce, replica_nonce)):
             raise Unavailable(f"{writer.get_extra_info('peername')} does not hold this application's "
                               "engine link token")
-        writer.write(mac(self._token, b"ingress", nonce, replica_nonce) + frame(("hello", self._ingress_id)))
+        writer.write(mac(self._token, b"ingress", nonce, replica_nonce) + frame(Hello(self._ingress_id)))
 
     # -- the rest of the engine client, through Serve
 
@@ -353,5 +364,5 @@ class LinkTransport:
     async def abort(self, request_id: str) -> bool:
         for link in self._links.values():  # the stream's own abort goes to its replica; this is a fallback
             if not link.closed:
-                link.send("abort", request_id)
+                link.send(Abort(request_id))
         return await self._serve.abort(request_id)

@@ -1,8 +1,11 @@
-"""The engine link's wire (deployments.link): the token, the handshake's proofs, frames, socket options.
+"""The engine link's wire (deployments.link): the token, the handshake's proofs, typed frames.
 
-A frame is a 4-byte length and a pickle. A peer proves it holds the application's token
-with an HMAC over both sides' fresh nonces, labelled by its side, so the token itself never
-crosses the wire and a recorded proof is worth nothing on the next connection.
+A frame is a 4-byte length and a MessagePack document decoded by msgspec into the structs
+below, and into nothing else: what a peer sends can be a wrong value (then the link ends), never
+code to run. Sampling parameters arrive as a plain map and go through ``SamplingParams``'s own
+validation. A peer proves it holds the application's token with an HMAC over both sides' fresh
+nonces, labelled by its side, so the token itself never crosses the wire and a recorded proof
+is worth nothing on the next connection; with TLS configured the link is also encrypted.
 """
 
 from __future__ import annotations
@@ -10,25 +13,158 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import pickle
 import secrets
 import socket
+import ssl
 import struct
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
-from deployments.errors import Unavailable
-from deployments.mux import Item
+import msgspec
+
+from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
+                                Unauthenticated, Unavailable)
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.sampling import SamplingParams
+from router.policy import ROUTING_NOTE
 
 TOKEN_BYTES = 16
 LINK_TOKEN_ENV = "SLOTSERVE_LINK_TOKEN"
 """Where ``build_app`` takes the token from (hex, 32 digits) before making one up."""
-MAX_FRAME_BYTES = 256 << 20  # a 2 MB prompt is ~2 MB of token ids pickled; far below this
+MAX_FRAME_BYTES = 64 << 20  # a 2M-token prompt is ~10 MB of MessagePack; far below this
 FRAME_ITEMS = 1024
 """Outputs per frame at most: a backlog goes out in several frames, each far below the limit."""
 HEADER = struct.Struct("!I")
 NONCE_BYTES = 16
 MAC_BYTES = 32
 
+
+# -- ingress -> replica
+
+class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``PreparedRequest.engine_request()`` with the ingress's id, as the replica takes it."""
+
+    request_id: str
+    ingress_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    priority: int = 0
+    attempt: int = 0
+    resume_token_ids: list[int] = []
+    trace_context: dict[str, str] | None = None
+    operation: str = "text_completion"
+    routing: dict[str, Any] | None = None  # router.policy.ROUTING_NOTE
+
+    def as_dict(self) -> dict:
+        """The replica's request dict; a bad sampling field raises SamplingParams's error."""
+        request = msgspec.structs.asdict(self)
+        request["params"] = SamplingParams(**self.params)
+        request[ROUTING_NOTE] = request.pop("routing")
+        return request
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    ingress_id: str
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    request: EngineRequest
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+IngressFrame = Union[Hello, Submit, Abort]
+
+
+# -- replica -> ingress: batches of outputs, one per engine step
+
+class StreamMessage(msgspec.Struct):
+    """``replica.stream_message``: one engine step's tokens of one request (sent as that dict)."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    audit: list[dict[str, Any]] | None = None
+
+
+class WireError(msgspec.Struct, array_like=True):
+    """An error by its class's name (one of ``ERRORS``) and message."""
+
+    kind: str
+    message: str
+    param: str | None = None
+
+
+class Output(msgspec.Struct, array_like=True):
+    """Sent as a ``(wire_id, message dict, WireError)`` tuple: building structs per output would
+    cost more than the whole encoding."""
+
+    wire_id: str
+    message: StreamMessage | None = None
+    error: WireError | None = None
+
+
+ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
+    ServingError, BadRequest, ModelNotFound, Unauthenticated, Overloaded, Unavailable, DeadlineExceeded,
+    Cancelled, EngineDeadError, EngineOverloadedError, InvalidRequestError)}
+"""What an error can be on the ingress's side: the frontend tells a crashed engine loop from a lost
+replica from an overloaded one by class."""
+
+_encoder = msgspec.msgpack.Encoder()
+_ingress_frames = msgspec.msgpack.Decoder(IngressFrame)
+_output_frames = msgspec.msgpack.Decoder(list[Output])
+
+
+def wire_error(exc: BaseException) -> WireError:
+    if type(exc).__name__ in ERRORS and isinstance(exc, ERRORS[type(exc).__name__]):
+        return WireError(type(exc).__name__, getattr(exc, "message", None) or str(exc), getattr(exc, "param", None))
+    return WireError("Unavailable", f"{type(exc).__name__}: {exc}")
+
+
+def rebuild_error(error: WireError) -> Exception:
+    cls = ERRORS.get(error.kind, ServingError)
+    return cls(error.message, param=error.param) if issubclass(cls, ServingError) else cls(error.message)
+
+
+def as_item(output: Output) -> tuple:
+    """``(wire_id, message dict or None, exception or None)``, as ``deployments.mux`` items are."""
+    message = None
+    if output.message is not None:
+        message = msgspec.structs.asdict(output.message)
+        if message["audit"] is None:
+            del message["audit"]
+    return output.wire_id, message, None if output.error is None else rebuild_error(output.error)
+
+
+@dataclass(frozen=True)
+class LinkTls:
+    """Mutual TLS on engine links (``engine_link_tls``): every node holds the application's CA and
+    a certificate with its key that the CA signed. Peers are reached by node IP, so names are not
+    checked: a certificate of this CA is the identity (keep the CA for this application alone)."""
+
+    certfile: str
+    keyfile: str
+    cafile: str
+
+    def context(self, server: bool) -> ssl.SSLContext:
+        purpose = ssl.Purpose.CLIENT_AUTH if server else ssl.Purpose.SERVER_AUTH
+        try:
+            context = ssl.create_default_context(purpose, cafile=self.cafile)
+            context.load_cert_chain(self.certfile, self.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"engine_link_tls: cannot load {self}: {exc}") from None
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        return context
+
+
+# -- frames
 
 def new_token() -> str:
     """The application's link token (hex): made once by ``build_app``, given to both sides."""
@@ -49,28 +185,31 @@ def mac(key: bytes, side: bytes, ingress_nonce: bytes, replica_nonce: bytes) -> 
 
 
 def frame(obj: Any) -> bytes:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = _encoder.encode(obj)
     return HEADER.pack(len(data)) + data
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
+async def _read(reader: asyncio.StreamReader) -> bytes:
     (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
     if size > MAX_FRAME_BYTES:
         raise ConnectionError(f"link frame of {size} bytes (at most {MAX_FRAME_BYTES})")
-    return pickle.loads(await reader.readexactly(size))
+    return await reader.readexactly(size)
 
 
-def portable(batch: list[Item]) -> list[Item]:
-    """The batch with every error one the other side can unpickle (the message, at least)."""
-    out = []
-    for rid, message, exc in batch:
-        if exc is not None:
-            try:
-                pickle.loads(pickle.dumps(exc))
-            except Exception:  # noqa: BLE001 - an exception class pickle cannot rebuild
-                exc = Unavailable(f"{type(exc).__name__}: {exc}")
-        out.append((rid, message, exc))
-    return out
+async def read_ingress_frame(reader: asyncio.StreamReader) -> IngressFrame:
+    """The next frame from an ingress; msgspec.ValidationError / DecodeError when it is not one."""
+    return _ingress_frames.decode(await _read(reader))
+
+
+async def read_outputs(reader: asyncio.StreamReader) -> list[tuple]:
+    """The next batch from a replica, as ``deployments.mux`` items."""
+    return [as_item(output) for output in _output_frames.decode(await _read(reader))]
+
+
+def outputs(batch: list[tuple]) -> bytes:
+    """``deployments.mux`` items as frames of at most ``FRAME_ITEMS`` outputs."""
+    wire = [(key, message, None if exc is None else wire_error(exc)) for key, message, exc in batch]
+    return b"".join(frame(wire[i:i + FRAME_ITEMS]) for i in range(0, len(wire), FRAME_ITEMS))
 
 
 def keepalive(sock: socket.socket | None) -> None:
@@ -83,7 +222,3 @@ def keepalive(sock: socket.socket | None) -> None:
                         ("TCP_USER_TIMEOUT", 25_000)):  # ms; the same bound while data is unacknowledged
         if hasattr(socket, name):  # Linux; elsewhere the system's defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-def frames(batch: list[Item]) -> bytes:
-    return b"".join(frame(portable(batch[i:i + FRAME_ITEMS])) for i in range(0, len(batch), FRAME_ITEMS))

@@ -38,7 +38,14 @@ IDLE_END_S = 1.0
 ORPHAN_S = 10.0
 """Requests whose ingress has not subscribed for this long are aborted (the ingress went away)."""
 
-Item = tuple  # (request_id, message dict or None, exception or None)
+Item = tuple  # (wire id, message dict or None, exception or None)
+
+
+def wire_id(request: dict) -> str:
+    """A request's key on the wire: one per attempt, so an error left over from a first attempt
+    never reaches the resumed one (``PreparedRequest.engine_request``'s ``attempt``)."""
+    attempt = request.get("attempt", 0)
+    return request["request_id"] if not attempt else f"{request['request_id']}~{attempt}"
 
 
 class _Channel:
@@ -73,22 +80,23 @@ class ReplicaHub:
     def submit(self, request: dict) -> None:
         channel = self._channel(request["ingress_id"])
         channel.last_seen = time.monotonic()
-        rid = request["request_id"]
-        self._unstarted[rid] = channel, request
-        channel.pumps[rid] = asyncio.get_running_loop().create_task(self._pump(channel, rid, request))
+        key = wire_id(request)
+        self._unstarted[key] = channel, request
+        channel.pumps[key] = asyncio.get_running_loop().create_task(self._pump(channel, key, request))
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_orphans())
 
     def abort_unstarted(self, request_id: str) -> bool:
         """Abort a request submitted but not yet handed to the engine (its submit and abort came in
         one read): it ends with finish_reason "abort" and never runs. False: not waiting here."""
-        if request_id not in self._unstarted:
+        key = next((k for k, (_, r) in self._unstarted.items() if r["request_id"] == request_id), None)
+        if key is None:
             return False
-        channel, request = self._unstarted.pop(request_id)
-        task = channel.pumps.pop(request_id, None)
+        channel, request = self._unstarted.pop(key)
+        task = channel.pumps.pop(key, None)
         if task is not None:
             task.cancel()
-        channel.push((request_id, aborted_message(request), None))
+        channel.push((key, aborted_message(request), None))
         return True
 
     def _channel(self, ingress_id: str) -> _Channel:
@@ -97,22 +105,22 @@ class ReplicaHub:
             channel = self._channels[ingress_id] = _Channel()
         return channel
 
-    async def _pump(self, channel: _Channel, rid: str, request: dict) -> None:
-        self._unstarted.pop(rid, None)
+    async def _pump(self, channel: _Channel, key: str, request: dict) -> None:
+        self._unstarted.pop(key, None)
         stream = self._start(request)
         try:
             async for message in stream:
-                channel.push((rid, message, None))
+                channel.push((key, message, None))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the request's own error, raised in its stream
-            channel.push((rid, None, exc))
+            channel.push((key, None, exc))
         finally:
-            channel.pumps.pop(rid, None)
+            channel.pumps.pop(key, None)
             await stream.aclose()  # a cancelled pump aborts its engine request here
 
     async def subscribe(self, ingress_id: str, idle_end_s: float | None = IDLE_END_S) -> AsyncIterator[list[Item]]:
-        """Batches of ``(request_id, message, error)``: everything since the previous batch.
+        """Batches of ``(wire id, message, error)``: everything since the previous batch.
 
         A new subscription of the same ingress takes over from an older one still open
         (a cancelled call can end here after its ingress has already asked again).
@@ -152,11 +160,11 @@ class ReplicaHub:
     def _cut(self, channel: _Channel, reason: str) -> None:
         """Abort every request of ``channel``, each leaving an error in it: a request whose submit was
         still under way when the stream broke is waited for by the ingress's next subscription."""
-        for rid, task in list(channel.pumps.items()):
+        for key, task in list(channel.pumps.items()):
             task.cancel()
-            self._unstarted.pop(rid, None)
-            channel.pumps.pop(rid, None)
-            channel.push((rid, None, Unavailable(f"{reason}; request {rid} aborted")))
+            self._unstarted.pop(key, None)
+            channel.pumps.pop(key, None)
+            channel.push((key, None, Unavailable(f"{reason}; request {key} aborted")))
 
     async def _reap_orphans(self) -> None:
         while True:
@@ -199,6 +207,7 @@ class _MuxStream:
         self._client = client
         self._request = request
         self.request_id = request["request_id"]
+        self.wire_id = wire_id(request)
         self.replica_id: str | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self._started = False
@@ -281,7 +290,7 @@ class MuxEngineClient:
     def _start(self, stream: _MuxStream) -> None:
         # Registered before submitting, and not waiting for the submit's reply: the first token
         # often comes on an open subscription before the reply does.
-        self._streams[stream.request_id] = stream
+        self._streams[stream.wire_id] = stream
         self._spawn(self._submit(stream))
 
     async def _submit(self, stream: _MuxStream) -> None:
@@ -303,8 +312,8 @@ class MuxEngineClient:
         try:
             async for batch in self.transport.subscribe(replica_id, self.ingress_id):
                 delivered = True
-                for rid, message, exc in batch:
-                    stream = self._streams.get(rid)
+                for key, message, exc in batch:
+                    stream = self._streams.get(key)
                     if stream is not None:
                         stream.queue.put_nowait((message, exc))
         except asyncio.CancelledError:
@@ -324,8 +333,8 @@ class MuxEngineClient:
                                                                 "for this request any more")))
 
     def _forget(self, stream: _MuxStream) -> None:
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
+        if self._streams.get(stream.wire_id) is stream:
+            del self._streams[stream.wire_id]
             if self._on_done is not None:
                 self._on_done(stream.request_id)
 

@@ -28,7 +28,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from deployments.link import LinkServer
+from deployments.link import LinkServer, LinkTls
 from deployments.metrics import EngineMetrics, Recorder, recorder_for
 from deployments.mux import ReplicaHub
 from deployments.nvml import GpuMonitor
@@ -81,11 +81,12 @@ class EngineReplica:
                  engine_class: str | type = DEFAULT_ENGINE_CLASS, drain_timeout_s: float = 30.0,
                  model_name: str | None = None, metrics: Recorder | None = None,
                  tracing: Tracing | None = None, link_token: str | None = None,
-                 link_host: str = "127.0.0.1") -> None:
+                 link_host: str = "127.0.0.1", link_tls: LinkTls | None = None) -> None:
         """``model_name``: the served name, the metrics' ``model_name`` label (default ``model``);
         ``metrics``: where they go (default: Ray's metrics in a Ray worker, else nowhere);
         ``tracing``: where spans go (default: as the ``OTEL_*`` environment variables say);
-        ``link_token``: serve engine links (deployments.link) on ``link_host``, with this token."""
+        ``link_token``: serve engine links (deployments.link) on ``link_host``, with this token
+        (and ``link_tls``, if given)."""
         if not isinstance(drain_timeout_s, (int, float)) or drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be a non-negative number, got {drain_timeout_s!r}")
         self._model = model
@@ -108,7 +109,7 @@ class EngineReplica:
         self.tracing = tracing if tracing is not None else Tracing.from_env()
         self._start_metrics_loop()  # Serve builds replicas on their event loop; else on the first request
         self._hub = ReplicaHub(self.generate)
-        self._link = LinkServer(self, self._hub, link_token, link_host) if link_token else None
+        self._link = LinkServer(self, self._hub, link_token, link_host, link_tls) if link_token else None
         self._link_started: asyncio.Task | None = None
         self._start_link()
 

@@ -15,7 +15,7 @@ import pytest
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
 from deployments.link import LinkServer, LinkTransport, check_token, new_token
-from deployments.link_wire import frame
+from deployments.link_wire import Hello, frame
 from deployments.mux import MuxEngineClient, ReplicaHub
 from deployments.replica import EngineReplica
 from engine.errors import EngineDeadError
@@ -174,7 +174,7 @@ def test_an_unreachable_replica_fails_the_request_with_unavailable():
     run(main())
 
 
-def test_a_connection_without_the_token_is_refused_before_anything_is_unpickled():
+def test_a_connection_without_the_token_is_refused_before_any_frame_is_read():
     async def main():
         reps = _replicas(new_token())
         await asyncio.sleep(0)
@@ -186,7 +186,7 @@ def test_a_connection_without_the_token_is_refused_before_anything_is_unpickled(
 
         reader, writer = await asyncio.open_connection(host, int(port))
         # A nonce, a proof made without the token, then frames that would fail the test if unpickled.
-        writer.write(b"\1" * 16 + b"\0" * 32 + frame(("hello", "x")) + pickle.dumps(Boom()))
+        writer.write(b"\1" * 16 + b"\0" * 32 + frame(Hello("x")) + pickle.dumps(Boom()))
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), 5)
         assert len(answer) == 16 + 32  # the replica's nonce and proof, then it closed

@@ -7,15 +7,21 @@ import asyncio
 import pickle
 import socket
 
+import msgspec
 import pytest
 
 import deployments.link as link
 from deployments.errors import Unavailable
 from deployments.link import LinkServer, LinkTransport, new_token
-from deployments.link_wire import HEADER, frame, frames, read_frame
+from deployments.link_wire import HEADER, Abort, Output, Submit, as_item, frame, outputs, read_outputs
 from deployments.mux import ReplicaHub
 from tests.serving_helpers import run, wait_idle, wait_load
 from tests.test_link import LONG, _linked, _replicas, _request, _shutdown, _tokens
+
+
+def _message(token_ids: list[int], finish_reason: str | None = None) -> dict:
+    return {"token_ids": token_ids, "finish_reason": finish_reason, "logprobs": None, "num_prompt_tokens": 3,
+            "num_output_tokens": len(token_ids), "num_cached_tokens": 0}
 
 
 async def _raw_ingress(rep, token: str, ingress_id: str = "raw"):
@@ -32,7 +38,7 @@ async def _until_final(reader, request_id: str, timeout_s: float = 5.0) -> tuple
     """Every item of ``request_id`` read from a raw link up to its last one; and the others seen."""
     mine, others = [], []
     while not mine or (mine[-1][2] is None and mine[-1][1]["finish_reason"] is None):
-        for item in await asyncio.wait_for(read_frame(reader), timeout_s):
+        for item in await asyncio.wait_for(read_outputs(reader), timeout_s):
             (mine if item[0] == request_id else others).append(item)
     return mine, others
 
@@ -44,7 +50,7 @@ def test_an_abort_read_together_with_its_submit_ends_the_request_before_it_runs(
         await asyncio.sleep(0)
         reader, writer = await _raw_ingress(rep, token)
         request = {**_request(0, max_tokens=LONG), "ingress_id": "raw"}
-        writer.write(frame(("submit", request)) + frame(("abort", "r0")))  # one segment: one read
+        writer.write(frame(Submit(request)) + frame(Abort("r0")))  # one segment: one read
         mine, _ = await _until_final(reader, "r0")
         assert [item[1]["finish_reason"] for item in mine] == ["abort"]
         assert sum(len(item[1]["token_ids"]) for item in mine) == 0
@@ -96,12 +102,12 @@ def test_a_newer_link_of_the_same_ingress_ends_the_stale_one_and_its_requests():
         (rep,) = _replicas(token)
         await asyncio.sleep(0)
         old_reader, old_writer = await _raw_ingress(rep, token, "ingress-a")
-        old_writer.write(frame(("submit", {**_request(0, max_tokens=LONG), "ingress_id": "ingress-a"})))
+        old_writer.write(frame(Submit({**_request(0, max_tokens=LONG), "ingress_id": "ingress-a"})))
         await wait_load(rep, 1)
         # The ingress gave the old connection up (its node's network broke) without the replica
         # hearing of it, and connects again: the old request must not be adopted and run on.
         reader, writer = await _raw_ingress(rep, token, "ingress-a")
-        writer.write(frame(("submit", {**_request(1), "ingress_id": "ingress-a"})))
+        writer.write(frame(Submit({**_request(1), "ingress_id": "ingress-a"})))
         mine, others = await _until_final(reader, "r1")
         assert mine[-1][1]["finish_reason"] == "length"
         assert [(rid, type(exc)) for rid, _, exc in others if exc is not None] == [("r0", Unavailable)]
@@ -144,7 +150,7 @@ def test_both_ends_of_a_link_probe_it_with_keepalive(monkeypatch):
     run(main())
 
 
-def test_an_ingress_refuses_a_peer_without_the_token_before_unpickling_anything():
+def test_an_ingress_refuses_a_peer_without_the_token_before_reading_anything():
     class Boom:
         def __reduce__(self):
             return (pytest.fail, ("a frame from a replica without the token was unpickled",))
@@ -154,7 +160,7 @@ def test_an_ingress_refuses_a_peer_without_the_token_before_unpickling_anything(
 
         async def impostor(reader, writer):
             heard.append(await reader.read(16))
-            writer.write(b"\2" * 16 + b"\0" * 32 + frame([("r0", {"token_ids": [1]}, None)]) + pickle.dumps(Boom()))
+            writer.write(b"\2" * 16 + b"\0" * 32 + frame([("r0", _message([1]), None)]) + pickle.dumps(Boom()))
             await writer.drain()
             heard.append(await reader.read(65536))
 
@@ -197,12 +203,12 @@ def test_a_stalled_ingress_has_its_link_closed_and_its_requests_aborted(monkeypa
 
 
 def test_a_backlog_beyond_the_bound_closes_the_link_and_a_large_one_goes_in_several_frames(monkeypatch):
-    batch = [(f"r{i}", {"token_ids": [i], "finish_reason": None}, None) for i in range(2500)]
-    data = frames(batch)
+    batch = [(f"r{i}", _message([i]), None) for i in range(2500)]
+    data = outputs(batch)
     sent = []
     while data:
         (size,) = HEADER.unpack(data[:4])
-        sent.append(pickle.loads(data[4:4 + size]))
+        sent.append([as_item(o) for o in msgspec.msgpack.decode(data[4:4 + size], type=list[Output])])
         data = data[4 + size:]
     assert [len(f) for f in sent] == [1024, 1024, 452] and sum(sent, []) == batch
 

@@ -128,6 +128,25 @@ def test_a_dead_engine_raises_in_every_stream_it_served():
     run(main())
 
 
+def test_a_resumed_attempt_never_hears_an_error_left_over_from_its_first():
+    """The first attempt's error can still be queued for the ingress when the resumed one (same
+    request id, next attempt) streams from the same replica: it belongs to the first one only."""
+    async def main():
+        reps = _replicas()
+
+        class Leftover(CountingTransport):
+            async def subscribe(self, replica_id, ingress_id):
+                yield [("r0", None, Unavailable("the first attempt's replica link broke"))]
+                async for batch in self.client.subscribe(replica_id, ingress_id):
+                    yield batch
+
+        client = MuxEngineClient(Leftover(LocalEngineClient(reps)))
+        tokens, messages = await _tokens(client.generate({**_request(0), "attempt": 1}))
+        assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
+        assert mux.wire_id({**_request(0), "attempt": 1}) != mux.wire_id(_request(0)) == "r0"
+    run(main())
+
+
 def test_a_lost_subscription_raises_its_error_in_every_open_stream():
     async def main():
         reps = _replicas()

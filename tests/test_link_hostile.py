@@ -1,0 +1,149 @@
+"""Hostile peers on an engine replica's link port (deployments.link), over real loopback.
+
+Each peer is refused: its connection ends, nothing it sent runs (no request reaches the engine,
+no payload is deserialized into code) and the replica goes on serving a real ingress.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import pickle
+import secrets
+import struct
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import deployments.link as link
+from deployments.link import LinkTransport, new_token
+from deployments.link_wire import Hello, Submit, frame
+from tests.serving_helpers import run
+from tests.test_link import _replicas, _request, _shutdown, _tokens
+
+
+class _Marker:
+    """Unpickling this creates ``path``: the file existing afterwards means a payload ran."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def _framed(data: bytes) -> bytes:
+    return struct.pack("!I", len(data)) + data
+
+
+async def _handshake(reader, writer, token: str) -> None:
+    ingress = LinkTransport(None, token, None)
+    ingress._ingress_id = "hostile"
+    await ingress._handshake(reader, writer)
+
+
+def _submit_with(**changes) -> bytes:
+    request = {**_request(0), "ingress_id": "hostile", **changes}
+    return frame(Submit(request))
+
+
+PAST_HANDSHAKE = {
+    "a pickle that runs code when loaded": lambda marker: _framed(pickle.dumps(_Marker(marker))),
+    "garbage": lambda marker: _framed(secrets.token_bytes(64)),
+    "a frame longer than the limit": lambda marker: struct.pack("!I", 1 << 31) + b"\0" * 64,
+    "a second hello": lambda marker: frame(Hello("again")),
+    "token ids of the wrong type": lambda marker: _submit_with(prompt_token_ids=["1", "2"]),
+    "sampling parameters out of range": lambda marker: frame(Submit({
+        **_request(0), "ingress_id": "hostile", "params": {"temperature": -1.0}})),
+    "a sampling field that does not exist": lambda marker: frame(Submit({
+        **_request(0), "ingress_id": "hostile", "params": {"__class__": "os.system"}})),
+}
+
+
+async def _still_serves(rep, token: str) -> None:
+    """A real ingress gets a whole answer, and the hostile connection left no request behind."""
+    from deployments.engine_client import LocalEngineClient
+    from deployments.mux import MuxEngineClient
+
+    chooser = lambda request, avoid: (rep.replica_id, rep.record_routing_stats()["link"])  # noqa: E731
+    client = MuxEngineClient(LinkTransport(LocalEngineClient([rep]), token, chooser))
+    tokens, messages = await _tokens(client.generate(_request(1)))
+    assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
+    stats = rep.engine.stats()
+    assert stats.num_finished == 1 and stats.running == 0 and stats.waiting == 0
+
+
+async def _connect(rep):
+    host, port = rep.record_routing_stats()["link"].rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def _closed(reader) -> bytes:
+    """Everything the replica sends until it closes the connection (it must, within 5 s)."""
+    return await asyncio.wait_for(reader.read(), 5)
+
+
+@pytest.mark.parametrize("case", list(PAST_HANDSHAKE))
+def test_a_peer_holding_the_token_that_sends_a_bad_frame_is_cut_off_and_nothing_runs(case, tmp_path):
+    marker = tmp_path / "ran"
+
+    async def main():
+        token = new_token()
+        (rep,) = _replicas(token)
+        await asyncio.sleep(0)
+        reader, writer = await _connect(rep)
+        await _handshake(reader, writer, token)
+        writer.write(PAST_HANDSHAKE[case](marker))
+        await writer.drain()
+        assert await _closed(reader) == b""  # no output: the request (if any) never started
+        writer.close()
+        assert not marker.exists(), "a payload read from the link ran"
+        await _still_serves(rep, token)
+        await _shutdown([rep])
+    run(main())
+
+
+@pytest.mark.parametrize("case", ["no token", "a wrong token", "garbage", "a pickle in place of the proof"])
+def test_a_peer_without_the_token_is_refused_before_any_frame_is_read(case, tmp_path, monkeypatch):
+    monkeypatch.setattr(link, "HELLO_TIMEOUT_S", 0.5)
+    marker = tmp_path / "ran"
+
+    async def main():
+        token = new_token()
+        (rep,) = _replicas(token)
+        await asyncio.sleep(0)
+        reader, writer = await _connect(rep)
+        payload = _framed(pickle.dumps(_Marker(marker)))
+        if case == "a wrong token":
+            try:
+                await _handshake(reader, writer, new_token())  # the replica proves first: the peer sees it fail
+            except Exception:  # noqa: BLE001 - expected: "does not hold this application's token"
+                pass
+            writer.write(secrets.token_bytes(32) + _submit_with())
+        elif case == "garbage":
+            writer.write(os.urandom(4096))
+        elif case == "a pickle in place of the proof":
+            writer.write(b"\1" * 16 + payload + _submit_with())
+        # "no token": says nothing, and the replica gives up after HELLO_TIMEOUT_S
+        await writer.drain()
+        answer = await _closed(reader)
+        assert len(answer) in (0, 16 + 32)  # at most the replica's nonce and proof
+        writer.close()
+        assert not marker.exists()
+        await _still_serves(rep, token)
+        await _shutdown([rep])
+    run(main())
+
+
+def test_the_link_reads_typed_frames_only():
+    """A batch of outputs is MessagePack any reader can decode, and no module of the serving layer
+    imports a deserializer that can run code."""
+    raw = frame([("r0", {"token_ids": [1]}, None)])
+    assert msgspec.msgpack.decode(raw[4:]) == [["r0", {"token_ids": [1]}, None]]
+    for path in Path(link.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) else [])
+            assert not {"pickle", "marshal", "cloudpickle", "dill"} & set(names), f"{path} imports {names}"
