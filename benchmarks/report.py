@@ -33,8 +33,7 @@ PROFILE_TARGET_MAX_OUTSIDE = 0.10
 # The served application against the in-process engine on the same workload: through Serve's
 # proxy, HAProxy, or with Serve's direct ingress (the clients reach the ingress replica itself).
 SERVED = "served"
-SERVED_SYSTEMS = {SERVED: "served", "served_haproxy": "served via HAProxy,", "served_direct": "served, direct ingress,",
-                  "served_calls": "served over Serve calls (engine_link: false)"}
+SERVED_SYSTEMS = {SERVED: "served", "served_haproxy": "served via HAProxy,", "served_direct": "served, direct ingress,"}
 # A tiny model (--quick) stands in for a fast GPU engine: a step costs little, so the serving
 # path's per-message costs weigh far more than with a real model.
 SERVED_MIN_THROUGHPUT_SHARE = {"model": 0.9, "quick": 0.5}

@@ -163,15 +163,13 @@ class ServedApp:
     """A local Ray with Serve (gRPC + HTTP on free ports) running build_app with one replica.
 
     ``ingress``: how the clients reach the ingress replica (deployments.ingress_env: Serve's
-    proxy, HAProxy, or the replica's own ports); ``link``: the ingress reaches the engine replica over an
-    engine link (deployments.link, the default) or else Serve calls. Ray's environment is restored on exit."""
+    proxy, HAProxy, or the replica's own ports). Ray's environment is restored on exit."""
 
-    def __init__(self, model_dir: str, settings: BenchSettings, *, ingress: str = "proxy", link: bool = True) -> None:
+    def __init__(self, model_dir: str, settings: BenchSettings, *, ingress: str = "proxy") -> None:
         self.model_dir = model_dir
         self.settings = settings
         self.ingress = ingress
         self.direct = ingress == "direct"
-        self.link = link
         self.grpc_port = self.http_port = 0
         self.startup_s = 0.0
         self._saved_env: dict[str, str | None] = {}
@@ -199,7 +197,7 @@ class ServedApp:
         # One replica, no autoscaling: the replica owns as many CPUs as the engine has threads.
         return {"model": self.model_dir, "served_model_name": "bench", "engine": engine_options(self.settings),
                 "num_replicas": 1, "replica_resources": {"num_cpus": self.settings.threads},
-                "ingress": {"num_replicas": 1, "num_cpus": 0.5}, "drain_timeout_s": 5, "engine_link": self.link}
+                "ingress": {"num_replicas": 1, "num_cpus": 0.5}, "drain_timeout_s": 5}
 
     def __enter__(self) -> "ServedApp":
         import ray
@@ -336,21 +334,16 @@ def run_served_direct(requests: list[BenchRequest], settings: BenchSettings,
     return _run(requests, settings, progress, ingress="direct")
 
 
-def run_served_calls(requests: list[BenchRequest], settings: BenchSettings,
-                     progress: Callable[[int], None]) -> SystemRun:
-    return _run(requests, settings, progress, ingress="proxy", link=False)
-
-
 def run_served_haproxy(requests: list[BenchRequest], settings: BenchSettings,
                        progress: Callable[[int], None]) -> SystemRun:
     return _run(requests, settings, progress, ingress="haproxy")
 
 
 def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callable[[int], None], *,
-         ingress: str, link: bool = True) -> SystemRun:
+         ingress: str) -> SystemRun:
     with tempfile.TemporaryDirectory(prefix="slotserve-served-") as scratch:
         model_dir = with_tokenizer(settings.model_dir, Path(scratch))
-        with TreeRss() as rss, ServedApp(model_dir, settings, ingress=ingress, link=link) as app:
+        with TreeRss() as rss, ServedApp(model_dir, settings, ingress=ingress) as app:
             vocab_size = _vocab_size(model_dir)
             run_streams(app.target, warmup_requests(vocab_size))
             before, cpu_before = app.engine_stats(), per_process(cpu_seconds)
@@ -376,10 +369,9 @@ def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callab
                "cpu_by_process": cpu_by_process(cpu_before, cpu_after,
                                                 _delta(after, before, "num_generated_tokens")),
                "peak_rss_tree_bytes": rss.peak_bytes, "processes_at_peak_rss": rss.processes_at_peak,
-               "startup_s": startup_s, "ingress": ingress, "engine_link": link,
+               "startup_s": startup_s, "ingress": ingress, "engine_link": True,
                "transport": "gRPC (grpc.aio client, one channel) -> " + _FRONT[ingress]
-                            + "Router ingress -> " + ("engine link -> " if link else "")
-                            + "EngineReplica (1 replica)"})
+                            + "Router ingress -> engine link -> EngineReplica (1 replica)"})
 
 
 _FRONT = {"proxy": "Serve proxy -> ", "haproxy": "HAProxy -> ", "direct": ""}

@@ -104,11 +104,6 @@ register_system(SystemSpec(
     "gRPC server, no proxy) -> one EngineReplica",
     "benchmarks.served_system:run_served_direct"))
 register_system(SystemSpec(
-    "served_calls", "slotserve, served, Serve calls",
-    "the served application with engine_link: false, as before engine links: the ingress submits each "
-    "request with a Serve call and reads the replica over a Serve stream",
-    "benchmarks.served_system:run_served_calls"))
-register_system(SystemSpec(
     "served_haproxy", "slotserve, via HAProxy",
     "the same application in Ray Serve's HAProxy mode: gRPC streaming clients -> HAProxy (C, one per node, "
     "following Serve's ingress replicas) -> Router ingress replica's own gRPC server -> engine link -> one EngineReplica",

@@ -5,10 +5,10 @@
         import_path: deployments.app:build_app
         args: {model: smollm2-135m, engine: {max_num_seqs: 8}, num_replicas: 2}
 
-The ``Router`` ingress (gRPC + OpenAI HTTP) holds a handle to the ``EngineReplica``
-deployment; that handle's request router is the slot-aware one from ``router/``
-(``routing: default`` falls back to Serve's own), and with ``autoscaling`` the replica
-count follows slot occupancy (``router.autoscale``).
+The ``Router`` ingress (gRPC + OpenAI HTTP) reaches the ``EngineReplica`` deployment over
+engine links (deployments.link), choosing replicas with the slot-aware router from
+``router/`` that Serve runs in its process; with ``autoscaling`` the replica count follows
+slot occupancy (``router.autoscale``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any, Mapping
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import AutoscalingConfig
 
 from deployments.app_config import AppConfig
 from deployments.frontend import FrontendConfig
@@ -26,6 +25,8 @@ from deployments.ingress import ENGINE_DEPLOYMENT, RouterIngress
 from deployments.link import LINK_TOKEN_ENV, LinkTls, new_token
 from deployments.replica import ServeEngineReplica
 from deployments.tp_launcher import NOSET_VISIBLE_DEVICES
+from router.autoscale import autoscaling_config
+from router.request_router import request_router_config
 
 INGRESS_DEPLOYMENT = "Router"
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
@@ -59,21 +60,15 @@ def frontend_config(cfg: AppConfig) -> FrontendConfig:
 
 
 def _autoscaling_config(cfg: AppConfig):
+    """Slot occupancy, which the replicas report; Serve's own policy counts Serve calls, and
+    requests on engine links make none."""
     knobs = cfg.autoscaling
-    max_num_seqs = cfg.engine_scheduler().max_num_seqs
-    common = dict(min_replicas=knobs.min_replicas, max_replicas=knobs.max_replicas,
-                  initial_replicas=knobs.initial_replicas, upscale_delay_s=knobs.upscale_delay_s,
-                  downscale_delay_s=knobs.downscale_delay_s, metrics_interval_s=knobs.metrics_interval_s,
-                  look_back_period_s=knobs.look_back_period_s)
-    if knobs.policy == "slot_occupancy":
-        try:
-            from router.autoscale import autoscaling_config
-        except ImportError as exc:
-            raise ValueError("autoscaling.policy 'slot_occupancy' needs router.autoscale "
-                             f"({exc}); set autoscaling.policy: default to use Serve's") from None
-        return autoscaling_config(target_occupancy=knobs.target_occupancy, scale_to_zero=knobs.min_replicas == 0,
-                                  slots_per_replica=max_num_seqs, **common)
-    return AutoscalingConfig(target_ongoing_requests=max(1.0, knobs.target_occupancy * max_num_seqs), **common)
+    return autoscaling_config(target_occupancy=knobs.target_occupancy, scale_to_zero=knobs.min_replicas == 0,
+                              slots_per_replica=cfg.engine_scheduler().max_num_seqs,
+                              min_replicas=knobs.min_replicas, max_replicas=knobs.max_replicas,
+                              initial_replicas=knobs.initial_replicas, upscale_delay_s=knobs.upscale_delay_s,
+                              downscale_delay_s=knobs.downscale_delay_s, metrics_interval_s=knobs.metrics_interval_s,
+                              look_back_period_s=knobs.look_back_period_s)
 
 
 def _tensor_parallel_placement(cfg: AppConfig) -> dict[str, Any]:
@@ -106,14 +101,10 @@ def engine_deployment_options(cfg: AppConfig) -> dict[str, Any]:
         options["autoscaling_config"] = _autoscaling_config(cfg)
     else:
         options["num_replicas"] = cfg.num_replicas
-    if cfg.routing == "slot_aware":
-        try:
-            from router.request_router import request_router_config
-        except ImportError as exc:
-            raise ValueError(f"routing 'slot_aware' needs router.request_router ({exc}); "
-                             "set routing: default to use Serve's router") from None
-        options["request_router_config"] = request_router_config(period_s=cfg.routing_stats_period_s,
-                                                                 model_name=cfg.model_name)
+    # The ingress routes with this router (router.inflight.choose), and Serve with it too for
+    # the calls it still makes (the first requests of an ingress, loads, aborts).
+    options["request_router_config"] = request_router_config(period_s=cfg.routing_stats_period_s,
+                                                             model_name=cfg.model_name)
     return options
 
 
@@ -126,19 +117,12 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
     return options
 
 
-def multiplexed(cfg: AppConfig) -> bool:
-    """Whether ingresses read engine replicas over one stream each (deployments.mux): it needs the
-    slot-aware router (a subscription names its replica) and a scaling signal other than Serve's
-    ongoing-request count, which then sees one call per ingress, not one per request."""
-    return cfg.routing == "slot_aware" and (cfg.autoscaling is None or cfg.autoscaling.policy != "default")
-
-
 def build_app(args: Mapping[str, Any] | None = None) -> Application:
     cfg = AppConfig.from_args(args)
     # A fixed token (a Secret on Kubernetes) keeps redeploys of an unchanged app from restarting
     # every replica: the token is a constructor argument, part of the deployments' version.
-    link_token = (os.environ.get(LINK_TOKEN_ENV) or new_token()) if cfg.engine_link and multiplexed(cfg) else None
-    link_tls = LinkTls(**cfg.engine_link_tls.model_dump()) if cfg.engine_link_tls and link_token else None
+    link_token = os.environ.get(LINK_TOKEN_ENV) or new_token()
+    link_tls = LinkTls(**cfg.engine_link_tls.model_dump()) if cfg.engine_link_tls else None
     engine = serve.deployment(ServeEngineReplica, **engine_deployment_options(cfg)).bind(
         cfg.model, replica_engine_options(cfg), drain_timeout_s=cfg.drain_timeout_s, model_name=cfg.model_name,
         link_token=link_token, link_tls=link_tls)
@@ -149,4 +133,4 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
                                max_ongoing_requests=cfg.ingress.max_ongoing_requests,
                                graceful_shutdown_timeout_s=cfg.drain_timeout_s + 10.0,
                                graceful_shutdown_wait_loop_s=0.5)
-    return ingress.bind(engine, frontend_config(cfg), cfg.max_body_bytes, multiplexed(cfg), link_token, link_tls)
+    return ingress.bind(engine, frontend_config(cfg), cfg.max_body_bytes, link_token, link_tls)

@@ -9,16 +9,14 @@ config fails when the application starts, with the field named
 from __future__ import annotations
 
 from pathlib import PurePath
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from engine.config import EngineConfig, SchedulerConfig
-from engine.validation import Bool, Float, Int, Str, field_errors
+from engine.validation import Float, Int, Str, field_errors
 
 DEFAULT_MODEL = "smollm2-135m"  # engine.models_hub's built-in name, converted from the bundled GGUF
-ROUTING_MODES = ("slot_aware", "default")
-AUTOSCALING_POLICIES = ("slot_occupancy", "default")
 _CONFIG = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
@@ -35,8 +33,6 @@ class AutoscalingKnobs(BaseModel):
     downscale_delay_s: Float = Field(600.0, ge=0)
     metrics_interval_s: Float = Field(1.0, gt=0)
     look_back_period_s: Float = 5.0
-    policy: Literal[AUTOSCALING_POLICIES] = "slot_occupancy"
-    """``slot_occupancy`` (router.autoscale) or ``default`` (Serve's, on ongoing requests)."""
 
     @field_validator("max_replicas")
     @classmethod
@@ -108,14 +104,8 @@ class AppConfig(BaseModel):
     autoscaling: AutoscalingKnobs | None = None
     replica_resources: ReplicaResources = Field(default_factory=ReplicaResources)
     ingress: IngressOptions = Field(default_factory=IngressOptions)
-    routing: Literal[ROUTING_MODES] = "slot_aware"
-    """``slot_aware`` (router.request_router) or ``default`` (Serve's power-of-two choices)."""
     routing_stats_period_s: Float = Field(0.5, gt=0)
-    engine_link: Bool = True
-    """Ingresses reach engine replicas over direct connections (deployments.link) instead of Serve
-    calls and streams. It rides on the ingress's one stream per replica, so it applies with
-    ``routing: slot_aware`` and an autoscaling policy other than Serve's (an explicit ``true``
-    with either is refused)."""
+    """How often each engine replica reports its load to the routers (router.request_router)."""
     engine_link_tls: LinkTlsFiles | None = None
     """Encrypt engine links and authenticate both ends by certificate, besides the token."""
     max_ongoing_requests: Int | None = Field(None, ge=1)
@@ -154,17 +144,6 @@ class AppConfig(BaseModel):
         if any(len(k) < 8 for k in keys):
             raise ValueError("must be strings of at least 8 characters")
         return keys
-
-    @model_validator(mode="after")
-    def _link_needs_slot_aware_routing(self) -> "AppConfig":
-        if "engine_link" not in self.model_fields_set:  # the default: where it applies
-            return self
-        if self.engine_link and self.routing != "slot_aware":
-            raise ValueError("engine_link needs routing: slot_aware (it routes with that router)")
-        if self.engine_link and self.autoscaling is not None and self.autoscaling.policy == "default":
-            raise ValueError("engine_link needs autoscaling.policy: slot_occupancy (Serve's policy counts "
-                             "Serve calls, and linked requests make none)")
-        return self
 
     @model_validator(mode="after")
     def _one_bundle_per_rank(self) -> "AppConfig":

@@ -1,10 +1,9 @@
 """How the frontend talks to engine replicas, whatever carries the calls.
 
-``EngineClient`` is the contract; the ingress implements it over a Ray Serve
-``DeploymentHandle`` (``ingress.HandleEngineClient``) and ``LocalEngineClient`` over
-in-process ``EngineReplica`` objects, which is how the frontend, the gRPC service and
-the OpenAI API are tested without Ray. Both are also ``deployments.mux`` transports: the
-ingress wraps its client in ``MuxEngineClient`` (one stream per replica, not per request).
+``EngineClient`` is the contract; the ingress implements it with ``mux.MuxEngineClient`` over
+engine links (``link.LinkTransport``), and ``LocalEngineClient`` over in-process
+``EngineReplica`` objects, which is how the frontend, the gRPC service and the OpenAI API are
+tested without Ray (alone, or as the ``MuxEngineClient``'s transport, as the ingress runs it).
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ class LocalEngineClient:
         return await self._pick(request).submit_linked(request)
 
     def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list]:
-        return self._by_id(replica_id).subscribe({"ingress_id": ingress_id})
+        return self._by_id(replica_id).hub.subscribe(ingress_id)
 
     async def abort_on(self, request_id: str, replica_id: str) -> bool:
         return self._by_id(replica_id).abort(request_id)

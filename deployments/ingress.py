@@ -2,9 +2,10 @@
 
 One class serves both protocols: Serve's gRPC proxy calls the RPC-named methods
 (``grpc_service.SlotServeGrpcMixin``), its HTTP proxy the FastAPI app built at replica
-start (``__serve_build_asgi_app__``). Engine calls go through a DeploymentHandle of
-the EngineReplica deployment, whose request router (slot-aware by default, see
-``app.build_app``) picks the replica.
+start (``__serve_build_asgi_app__``). Requests reach engine replicas over engine links
+(deployments.link), to the replica the slot-aware router picks; a DeploymentHandle of the
+EngineReplica deployment carries the rest (model info, loads, aborts, and an ingress's first
+requests before its router has heard from any replica).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from deployments.grpc_service import SlotServeGrpcMixin
 from deployments.link import LinkTls, LinkTransport
 from deployments.mux import MuxEngineClient
 from deployments.openai_api import build_openai_app
+from router import inflight
 
 logger = logging.getLogger(__name__)
 
@@ -28,34 +30,13 @@ ENGINE_DEPLOYMENT = "EngineReplica"
 LOAD_CALL_TIMEOUT_S = 5.0
 
 
-class _HandleStream:
-    """One request's stream from an engine replica, over Serve's streaming handle."""
-
-    def __init__(self, handle: DeploymentHandle, request: dict) -> None:
-        self._gen = handle.options(stream=True).generate.remote(request)
-
-    def __aiter__(self) -> "_HandleStream":
-        return self
-
-    async def __anext__(self) -> dict:
-        return await self._gen.__anext__()
-
-    def abort(self) -> None:
-        self._gen.cancel()
-
-    async def aclose(self) -> None:
-        # Cancelling the call cancels the replica's generator, which aborts the engine request.
-        self._gen.cancel()
-
-
 class HandleEngineClient:
+    """What goes through Serve: ``deployments.link.LinkTransport``'s ``serve``."""
+
     def __init__(self, handle: DeploymentHandle, app_name: str, deployment_name: str = ENGINE_DEPLOYMENT) -> None:
         self._handle = handle
         self._app_name = app_name
         self._deployment_name = deployment_name
-
-    def generate(self, request: dict) -> _HandleStream:
-        return _HandleStream(self._handle, request)
 
     async def model_info(self) -> dict:
         return await self._handle.model_info.remote()
@@ -85,16 +66,8 @@ class HandleEngineClient:
                 logger.info("abort on replica %s failed: %s", rid, exc)
         return False
 
-    # -- deployments.mux transport: one subscription per engine replica, pinned by the router
-
-    async def submit(self, request: dict) -> str:
-        return await self._handle.submit.remote(request)
-
     async def submit_linked(self, request: dict) -> tuple[str, str]:
         return await self._handle.submit_linked.remote(request)
-
-    def subscribe(self, replica_id: str, ingress_id: str):
-        return self._handle.options(stream=True).subscribe.remote({"ingress_id": ingress_id, "replica_id": replica_id})
 
     async def abort_on(self, request_id: str, replica_id: str) -> bool:
         return await self._handle.abort.remote({"request_id": request_id, "replica_id": replica_id})
@@ -126,23 +99,17 @@ class HandleEngineClient:
 @serve.ingress()
 class RouterIngress(SlotServeGrpcMixin):
     def __init__(self, engine: DeploymentHandle, frontend_config: FrontendConfig, max_body_bytes: int,
-                 multiplex: bool = True, link_token: str | None = None, link_tls: LinkTls | None = None) -> None:
-        """``multiplex``: one stream per engine replica (deployments.mux); it needs the slot-aware
-        router, which honours the replica a call names. Off: one Serve stream per request.
-        ``link_token``: that stream is an engine link (deployments.link), outside Serve's calls."""
+                 link_token: str, link_tls: LinkTls | None = None) -> None:
+        """``link_token`` (and ``link_tls``): what the engine replicas' links ask (deployments.link)."""
         from engine.models_hub import resolve_model
         from engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(resolve_model(frontend_config.model))
         app_name = serve.get_replica_context().app_name
-        client = HandleEngineClient(engine, app_name)
-        if multiplex:
-            from router import inflight
-            if link_token:
-                choose = functools.partial(inflight.choose, f"{app_name}#{ENGINE_DEPLOYMENT}")
-                client = LinkTransport(client, link_token, choose, tls=link_tls)
-            client = MuxEngineClient(client, on_done=inflight.request_finished)
-        self.frontend = Frontend(frontend_config, tokenizer, client)
+        choose = functools.partial(inflight.choose, f"{app_name}#{ENGINE_DEPLOYMENT}")
+        transport = LinkTransport(HandleEngineClient(engine, app_name), link_token, choose, tls=link_tls)
+        self.frontend = Frontend(frontend_config, tokenizer,
+                                 MuxEngineClient(transport, on_done=inflight.request_finished))
         self._max_body_bytes = max_body_bytes
 
     def __serve_build_asgi_app__(self):

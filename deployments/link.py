@@ -1,14 +1,14 @@
-"""The engine link: an ingress reaches an engine replica over one plain TCP connection.
+"""The engine link: how an ingress reaches an engine replica, one TCP connection per pair.
 
-With ``deployments.mux`` an ingress already reads all its requests on a replica from one
-stream, but each request still starts with a Serve call and each engine step still comes
-back as a Serve streaming message: a few milliseconds of time to first token and most of a
-millisecond of CPU per message on both sides (docs/BENCHMARKS.md). Here the ingress picks
-the replica with the same slot-aware router (``router.inflight.choose``, which reads the
-router Serve keeps up to date in its process), then writes the request on a connection to
-that replica, which answers on the same connection with one frame per engine step. Serve
-still builds, scales, health-checks and routes everything else (the first requests before
-the router has heard from any replica, ``model_info``, loads, drains).
+A Serve call per request and a Serve streaming message per engine step would cost a few
+milliseconds of time to first token and most of a millisecond of CPU per message on both
+sides (docs/BENCHMARKS.md). Instead the ingress picks the replica with the slot-aware router
+(``router.inflight.choose``, which reads the router Serve keeps up to date in its process),
+then writes the request on its connection to that replica, which answers on the same
+connection with one frame per engine step (``deployments.mux``). Serve still builds, scales,
+health-checks and drains the replicas, and carries what is not per request (``model_info``,
+loads) and an ingress's first requests before its router has heard from any replica
+(``submit_linked``).
 
 Frames are typed MessagePack (``deployments.link_wire``): nothing read from the socket is
 unpickled or run, and no frame is read at all before both sides have proved they hold the
@@ -174,7 +174,7 @@ class LinkServer:
             writer.write(outputs([(wire_id(request), None, exc)]))
 
     async def _forward(self, ingress_id: str, writer: asyncio.StreamWriter, started: dict[str, float]) -> None:
-        async with contextlib.aclosing(self._hub.subscribe(ingress_id, idle_end_s=None)) as batches:
+        async with contextlib.aclosing(self._hub.subscribe(ingress_id)) as batches:
             async for batch in batches:
                 if len(batch) > MAX_BACKLOG_ITEMS:
                     logger.warning("ingress %s left %d outputs unread: closing its link", ingress_id, len(batch))

@@ -1,23 +1,15 @@
 """One engine stream per (ingress, engine replica) instead of one per request.
 
-A Ray Serve streaming message costs about a millisecond of CPU in the process that sends
-it and in the one that receives it, whatever it carries; one stream per request makes
-that cost per token and per request. Here an ingress submits each request with a short
-unary call (routed by the slot-aware router like any request) and reads the outputs of
-all its requests on that replica from one long-lived subscription, one batch per engine
-step: a replica with 64 running requests sends one message per step, not 64.
+An ingress submits each request to the replica the router picks and reads the outputs of
+all its requests on that replica from one subscription, one batch per engine step: a
+replica with 64 running requests sends one message per step, not 64.
 
 ``ReplicaHub`` is the replica's side (plain asyncio, no Ray: tested in-process); the
-ingress's side is ``MuxEngineClient`` over a ``MuxTransport`` (engine links in
-``deployments.link``, the default; Serve handles in ``deployments.ingress``; in-process
-replicas in tests). A stream looks exactly like the
-one-call-per-request stream to the frontend: messages, the last one finished, errors
-raised where they happened (a replica that dies raises in every stream it was serving,
-which the frontend resumes elsewhere).
-
-A subscription ends by itself once its ingress has had no request on the replica for
-``IDLE_END_S``: Serve waits for a replica's calls to end before stopping it, so a
-subscription that never ended would hold every scale-down for Serve's whole grace period.
+ingress's side is ``MuxEngineClient`` over a ``MuxTransport`` (engine links,
+``deployments.link.LinkTransport``; in-process replicas in tests). A stream looks to the
+frontend like a single request's stream: messages, the last one finished, errors raised
+where they happened (a replica that dies raises in every stream it was serving, which the
+frontend resumes elsewhere).
 """
 
 from __future__ import annotations
@@ -33,8 +25,6 @@ from deployments.errors import Unavailable
 
 logger = logging.getLogger(__name__)
 
-IDLE_END_S = 1.0
-"""A subscription with no request of its ingress for this long ends (the next submit reopens it)."""
 ORPHAN_S = 10.0
 """Requests whose ingress has not subscribed for this long are aborted (the ingress went away)."""
 
@@ -119,12 +109,10 @@ class ReplicaHub:
             channel.pumps.pop(key, None)
             await stream.aclose()  # a cancelled pump aborts its engine request here
 
-    async def subscribe(self, ingress_id: str, idle_end_s: float | None = IDLE_END_S) -> AsyncIterator[list[Item]]:
-        """Batches of ``(wire id, message, error)``: everything since the previous batch.
-
-        A new subscription of the same ingress takes over from an older one still open
-        (a cancelled call can end here after its ingress has already asked again).
-        ``idle_end_s=None``: never end when idle (an engine link, which Serve does not wait for)."""
+    async def subscribe(self, ingress_id: str) -> AsyncIterator[list[Item]]:
+        """Batches of ``(wire id, message, error)``: everything since the previous batch, until
+        the subscriber goes away. A new subscription of the same ingress takes over from an
+        older one still open (its connection dropped and the ingress connected again)."""
         channel = self._channel(ingress_id)
         me = object()
         channel.subscriber = me
@@ -132,15 +120,7 @@ class ReplicaHub:
         try:
             while channel.subscriber is me:
                 if not channel.items:
-                    if not channel.pumps and idle_end_s is not None:
-                        try:  # idle: wait a little for new requests, then end (see the module doc)
-                            async with asyncio.timeout(idle_end_s):
-                                await channel.ready.wait()
-                        except (asyncio.TimeoutError, TimeoutError):
-                            if not channel.pumps and not channel.items:
-                                return
-                    else:
-                        await channel.ready.wait()
+                    await channel.ready.wait()
                 channel.ready.clear()
                 if channel.items and channel.subscriber is me:
                     batch, channel.items = channel.items, []
@@ -185,7 +165,7 @@ class ReplicaHub:
 
 
 class MuxTransport(Protocol):
-    """How an ingress reaches engine replicas (Serve handles, or in-process replicas), with the
+    """How an ingress reaches engine replicas (engine links, or in-process replicas), with the
     rest of ``engine_client.EngineClient`` (``model_info``, ``replica_loads``)."""
 
     async def submit(self, request: dict) -> str:
@@ -306,12 +286,10 @@ class MuxEngineClient:
         if replica_id not in self._subscriptions:
             self._subscriptions[replica_id] = self._spawn(self._read(replica_id))
 
-    async def _read(self, replica_id: str, reopened: bool = False) -> None:
+    async def _read(self, replica_id: str) -> None:
         error: BaseException | None = None
-        delivered = False
         try:
             async for batch in self.transport.subscribe(replica_id, self.ingress_id):
-                delivered = True
                 for key, message, exc in batch:
                     stream = self._streams.get(key)
                     if stream is not None:
@@ -322,12 +300,7 @@ class MuxEngineClient:
             error = exc
         finally:
             self._subscriptions.pop(replica_id, None)
-        # The replica ended an idle subscription while requests were being submitted: read again,
-        # once; a second empty end means it has nothing for them (they are lost there).
         orphans = [s for s in self._streams.values() if s.replica_id == replica_id and not s._done]
-        if error is None and orphans and (delivered or not reopened):
-            self._subscriptions[replica_id] = self._spawn(self._read(replica_id, reopened=True))
-            return
         for stream in orphans:
             stream.queue.put_nowait((None, error or Unavailable(f"engine replica {replica_id} has no stream "
                                                                 "for this request any more")))

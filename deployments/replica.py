@@ -169,6 +169,11 @@ class EngineReplica:
         except Exception:  # noqa: BLE001 - a span must never fail a request
             logger.exception("tracing request %s failed", request.get("request_id"))
 
+    @property
+    def hub(self) -> ReplicaHub:
+        """Outputs by ingress (deployments.mux): what engine links and in-process clients read."""
+        return self._hub
+
     async def submit(self, request: dict) -> str:
         """Start a request whose messages go to its ingress's subscription (deployments.mux)."""
         if not self._accepting:
@@ -190,11 +195,6 @@ class EngineReplica:
             self._link_started = asyncio.get_running_loop().create_task(self._link.start())
         except RuntimeError:  # built outside an event loop (tests): started by the first submit
             pass
-
-    async def subscribe(self, request: dict) -> AsyncIterator[list]:
-        """Batches of ``(request_id, message, error)`` for one ingress's requests: one per engine step."""
-        async for batch in self._hub.subscribe(request["ingress_id"]):
-            yield batch
 
     def abort(self, request: str | dict) -> bool:
         """Abort by server request id (or ``{"request_id": ...}``, the form a pinned handle call

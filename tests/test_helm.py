@@ -273,3 +273,20 @@ def test_notes_give_first_requests(rendered):
     assert "slotserve generate --target 127.0.0.1:9000" in notes
     assert '"model": "smollm2-135m"' in notes and "/v1/chat/completions" in notes
     assert "serve status" in notes and "get rayservice" in notes
+
+
+def test_engine_link_tls_is_mounted_on_every_ray_pod_and_given_to_the_app(rendered):
+    rs = the(documents(rendered["gpu-70b-tp8"]), "RayService")
+    path = ci_values("gpu-70b-tp8")["engineLinkTls"].get("mountPath", "/etc/slotserve/link-tls")
+    for group, template in pod_templates(rs).items():
+        pod = template["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "link-tls"]
+        assert volume["secret"]["secretName"] == "slotserve-link-tls", group
+        mounts = [m for c in pod["containers"] for m in c.get("volumeMounts", ()) if m["name"] == "link-tls"]
+        assert mounts and all(m["mountPath"] == path and m["readOnly"] for m in mounts), group
+    (app,) = serve_config(rs)["applications"]
+    assert app["args"]["engine_link_tls"] == {"certfile": f"{path}/tls.crt", "keyfile": f"{path}/tls.key",
+                                              "cafile": f"{path}/ca.crt"}
+    for name in CI_NAMES:  # where it is not set, no link certificate anywhere
+        if "engineLinkTls" not in ci_values(name):
+            assert "link-tls" not in rendered[name]["slotserve/templates/rayservice.yaml"]

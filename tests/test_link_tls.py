@@ -22,7 +22,7 @@ from tests.serving_helpers import run
 from tests.test_link import _request, _shutdown, _tokens
 
 
-def _certificates(directory: Path, name: str) -> LinkTls:
+def link_certificates(directory: Path, name: str) -> LinkTls:
     """A CA and one certificate it signed (EC keys: generated in milliseconds)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -64,7 +64,7 @@ def _client(rep: EngineReplica, token: str, tls: LinkTls | None) -> MuxEngineCli
 
 
 def test_requests_stream_over_a_mutual_tls_link(tmp_path):
-    tls = _certificates(tmp_path, "app")
+    tls = link_certificates(tmp_path, "app")
 
     async def main():
         token = new_token()
@@ -82,8 +82,8 @@ def test_requests_stream_over_a_mutual_tls_link(tmp_path):
 
 @pytest.mark.parametrize("peer", ["plaintext", "another CA"])
 def test_a_peer_without_a_certificate_of_the_app_ca_is_refused(peer, tmp_path):
-    tls = _certificates(tmp_path, "app")
-    other = None if peer == "plaintext" else _certificates(tmp_path, "other")
+    tls = link_certificates(tmp_path, "app")
+    other = None if peer == "plaintext" else link_certificates(tmp_path, "other")
 
     async def main():
         token = new_token()  # the right token: the certificate alone keeps the peer out

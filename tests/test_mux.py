@@ -161,24 +161,12 @@ def test_a_lost_subscription_raises_its_error_in_every_open_stream():
         client = MuxEngineClient(Breaks(local))
         streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(2)]
         for s in streams:
-            with pytest.raises(ConnectionError):
+            # the subscription's own error, or (a stream submitted after it broke, read on the
+            # next one) the replica's word that it cut the request when the first one went
+            with pytest.raises((ConnectionError, Unavailable)):
                 async for _ in s:
                     pass
         await wait_idle(reps)  # the replica saw its subscription go and aborted them
-    run(main())
-
-
-def test_subscription_ends_when_idle_and_reopens_for_the_next_request(monkeypatch):
-    monkeypatch.setattr(mux, "IDLE_END_S", 0.05)
-
-    async def main():
-        reps = _replicas()
-        transport = CountingTransport(LocalEngineClient(reps))
-        client = MuxEngineClient(transport)
-        first, _ = await _tokens(client.generate(_request(0)))
-        await async_wait_until(lambda: not client._subscriptions, "the idle subscription ended")
-        second, _ = await _tokens(client.generate(_request(0)))
-        assert first == second and transport.subscriptions == 2
     run(main())
 
 
@@ -190,24 +178,6 @@ def test_requests_of_an_ingress_that_never_subscribes_are_aborted(monkeypatch):
         await reps[0].submit({**_request(0, max_tokens=LONG), "ingress_id": "gone"})
         await wait_load(reps[0], 1)
         await wait_idle(reps)
-    run(main())
-
-
-def test_a_subscription_that_ends_under_open_streams_is_reopened_and_its_failure_raised():
-    async def main():
-        reps = _replicas()
-
-        class EndsEarly(CountingTransport):
-            async def subscribe(self, replica_id, ingress_id):
-                self.subscriptions += 1
-                if self.subscriptions > 1:
-                    raise ConnectionError("replica gone")
-                return
-                yield  # an async generator that ends at once
-
-        client = MuxEngineClient(EndsEarly(LocalEngineClient(reps)))
-        with pytest.raises(ConnectionError):
-            await _tokens(client.generate(_request(0, max_tokens=LONG)))
     run(main())
 
 
@@ -247,19 +217,19 @@ def test_streams_a_replica_no_longer_knows_are_unavailable():
         client = MuxEngineClient(transport)
         with pytest.raises(Unavailable):
             await _tokens(client.generate(_request(0, max_tokens=LONG)))
-        assert transport.subscriptions == 2
+        assert transport.subscriptions == 1  # not read again: the link it came over is gone
     run(main())
 
 
 def test_a_second_subscription_of_an_ingress_takes_over_from_the_first():
     async def main():
         reps = _replicas()
-        old = reps[0].subscribe({"ingress_id": "i"})
+        old = reps[0].hub.subscribe("i")
         old_next = asyncio.ensure_future(old.__anext__())
         hub = reps[0]._hub
         await async_wait_until(lambda: "i" in hub._channels and hub._channels["i"].subscriber, "first subscribed")
         await reps[0].submit({**_request(0), "ingress_id": "i"})
-        new = reps[0].subscribe({"ingress_id": "i"})
+        new = reps[0].hub.subscribe("i")
         tokens = []
         async for batch in new:
             tokens += [t for _, message, _ in batch for t in message["token_ids"]]
@@ -271,16 +241,3 @@ def test_a_second_subscription_of_an_ingress_takes_over_from_the_first():
         assert len(tokens) == 12
         await wait_idle(reps)
     run(main())
-
-
-@pytest.mark.parametrize("args, want", [
-    ({}, True),
-    ({"routing": "default"}, False),  # Serve's router ignores the replica a subscription names
-    ({"autoscaling": {"max_replicas": 2, "policy": "default"}}, False),  # would see one call per ingress
-    ({"autoscaling": {"max_replicas": 2}}, True),
-])
-def test_ingresses_multiplex_only_where_routing_and_scaling_allow(args, want):
-    from deployments.app import multiplexed
-    from deployments.app_config import AppConfig
-
-    assert multiplexed(AppConfig.from_args({"model": "m", **args})) is want

@@ -54,15 +54,19 @@ class Service:
 
 
 @pytest.fixture(scope="module", params=["proxy", "haproxy", "direct"])
-def service(request, tiny_model_dir):
+def service(request, tiny_model_dir, tmp_path_factory):
     """Clients reach the ingress through Serve's proxy, HAProxy, or straight (Serve's direct
-    ingress; deployments.ingress_env). Behind the proxy the ingress reaches the engines with
-    Serve calls (engine_link: false); on the fast paths over engine links (deployments.link)."""
+    ingress; deployments.ingress_env); the ingress reaches the engines over engine links
+    (deployments.link), with mutual TLS behind HAProxy."""
     from deployments.ingress_env import ingress_env
+    from tests.test_link_tls import link_certificates
 
     app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
-           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "routing": "slot_aware",
-           "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2, "engine_link": request.param != "proxy"}
+           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
+           "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2}
+    if request.param == "haproxy":
+        tls = link_certificates(tmp_path_factory.mktemp("link-tls"), "app")
+        app["engine_link_tls"] = {"certfile": tls.certfile, "keyfile": tls.keyfile, "cafile": tls.cafile}
     direct = Ports(free_port(), free_port()) if request.param == "direct" else None
     env = ingress_env(request.param, direct.grpc, direct.http) if direct else ingress_env(request.param, 0, 0)
     with served_app(app, env=env) as proxy:
@@ -160,7 +164,7 @@ def test_ray_processes_inherit_the_serve_env(service):
     assert env == SERVE_ENV and columns == {None}
 
 
-def test_requests_reach_the_engines_over_links_only_on_the_fast_path(service):
+def test_requests_reach_the_engines_over_links(service):
     import ray
 
     from tests.ray_cluster import APP
@@ -169,11 +173,8 @@ def test_requests_reach_the_engines_over_links_only_on_the_fast_path(service):
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     stats = [ray.get(ray.get_actor(n, namespace="serve").record_routing_stats.remote(), timeout=30) for n in names]
     assert len(stats) == 2
-    if service.mode != "proxy":  # the tests above ran their requests over links
-        assert all(s["link"].rsplit(":", 1)[1].isdigit() for s in stats)
-        assert sum(s["link_requests"] for s in stats) >= 8
-    else:
-        assert not any("link" in s for s in stats)
+    assert all(s["link"].rsplit(":", 1)[1].isdigit() for s in stats)
+    assert sum(s["link_requests"] for s in stats) >= 8  # the tests above ran their requests over links
 
 
 def test_the_client_ports_belong_to_the_modes_listener(service):

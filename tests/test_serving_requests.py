@@ -258,12 +258,14 @@ def test_wrapped_replica_error_keeps_the_original_message():
 # -- configs -------------------------------------------------------------------------------
 
 def test_app_config_rejects_bad_fields_by_name():
-    cases = [({"bogus": 1}, "unknown field bogus"), ({"routing": "random"}, "routing"),
+    cases = [({"bogus": 1}, "unknown field bogus"), ({"routing": "default"}, "unknown field routing"),
              ({"engine": {"max_num_seqs": 0}}, "engine: max_num_seqs"),
              ({"autoscaling": {"min_replicas": 2, "max_replicas": 1}}, "autoscaling.max_replicas"),
              ({"autoscaling": {"speed": 1}}, "autoscaling.speed"),
              ({"replica_resources": {"num_gpus": -1}}, "replica_resources.num_gpus"),
              ({"num_replicas": 2, "autoscaling": {}}, "not both"),
+             ({"engine_link_tls": {"certfile": "/tls/tls.crt"}}, "engine_link_tls.keyfile"),
+             ({"autoscaling": {"policy": "default"}}, "autoscaling.policy"),
              ({"api_keys": ["short"]}, "api_keys"), ({"engine": [1]}, "engine must be a valid dictionary"),
              # The test double is not selectable from a config.
              ({"engine_class": "tests.fake_engine:FakeAsyncEngine"}, "unknown field engine_class")]

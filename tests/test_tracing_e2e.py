@@ -28,7 +28,7 @@ GENERATE_SPAN = "slotserve.v1.SlotServe/Generate"
 def cluster(tiny_model_dir, tmp_path_factory):
     spans = tmp_path_factory.mktemp("traces") / "spans.jsonl"
     app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": {**ENGINE, "num_threads": 1},
-           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}, "routing": "slot_aware"}
+           "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25}}
     env = {"OTEL_TRACES_EXPORTER": "console", "SLOTSERVE_TRACES_FILE": str(spans),
            "OTEL_SERVICE_NAME": "slotserve-e2e", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with served_app(app, env=env) as ports:

@@ -13,8 +13,7 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
       "upscale_delay_s" $a.upscaleDelaySeconds
       "downscale_delay_s" $a.downscaleDelaySeconds
       "metrics_interval_s" $a.metricsIntervalSeconds
-      "look_back_period_s" $a.lookBackPeriodSeconds
-      "policy" $a.policy }}
+      "look_back_period_s" $a.lookBackPeriodSeconds }}
 {{- if not (kindIs "invalid" $a.initialReplicas) }}
 {{- $_ := set $autoscaling "initial_replicas" $a.initialReplicas }}
 {{- end }}
@@ -25,7 +24,6 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
       "replica_resources" (dict "num_cpus" $v.replica.numCpus "num_gpus" $v.replica.numGpus)
       "ingress" (dict "num_replicas" $v.ingress.numReplicas "num_cpus" $v.ingress.numCpus
                       "max_ongoing_requests" $v.ingress.maxOngoingRequests)
-      "routing" $v.routing
       "drain_timeout_s" $v.drainTimeoutSeconds
       "health_check_period_s" $v.healthCheck.periodSeconds
       "health_check_timeout_s" $v.healthCheck.timeoutSeconds
@@ -41,6 +39,11 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
 {{- end }}
 {{- if $v.apiKeys.existingSecret }}
 {{- $_ := set $args "api_keys_file" (printf "%s/keys" $v.apiKeys.mountPath) }}
+{{- end }}
+{{- with $v.engineLinkTls.existingSecret }}
+{{- $dir := $v.engineLinkTls.mountPath }}
+{{- $_ := set $args "engine_link_tls" (dict "certfile" (printf "%s/tls.crt" $dir) "keyfile" (printf "%s/tls.key" $dir)
+                                           "cafile" (printf "%s/ca.crt" $dir)) }}
 {{- end }}
 {{- range $key, $value := $v.extraAppArgs }}
 {{- if hasKey $args $key }}

@@ -165,6 +165,11 @@ exec:
               mountPath: {{ $v.tls.mountPath }}
               readOnly: true
             {{- end }}
+            {{- if $v.engineLinkTls.existingSecret }}
+            - name: link-tls
+              mountPath: {{ $v.engineLinkTls.mountPath }}
+              readOnly: true
+            {{- end }}
       volumes:
         - name: shared-mem
           emptyDir:
@@ -196,5 +201,10 @@ exec:
         - name: tls
           secret:
             secretName: {{ $v.tls.existingSecret }}
+        {{- end }}
+        {{- if $v.engineLinkTls.existingSecret }}
+        - name: link-tls
+          secret:
+            secretName: {{ $v.engineLinkTls.existingSecret }}
         {{- end }}
 {{- end }}
