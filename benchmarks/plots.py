@@ -15,7 +15,7 @@ from benchmarks.systems import BASELINE  # noqa: E402
 
 _COLORS = {"continuous": "tab:blue", "static": "tab:orange", "hf_generate": "tab:red",
            "hf_generate_batch": "tab:green", "served": "tab:purple",
-           "served_direct": "tab:pink", "served_haproxy": "tab:brown"}
+           "served_haproxy": "tab:brown"}
 
 
 def _color(name: str) -> str:

@@ -31,9 +31,9 @@ RATIO_TARGETS = (
 PROFILE_TARGET_RUNNING = 32
 PROFILE_TARGET_MAX_OUTSIDE = 0.10
 # The served application against the in-process engine on the same workload: through Serve's
-# proxy, HAProxy, or with Serve's direct ingress (the clients reach the ingress replica itself).
+# proxy or HAProxy (deployments.ingress_env).
 SERVED = "served"
-SERVED_SYSTEMS = {SERVED: "served", "served_haproxy": "served via HAProxy,", "served_direct": "served, direct ingress,"}
+SERVED_SYSTEMS = {SERVED: "served", "served_haproxy": "served via HAProxy,"}
 # A tiny model (--quick) stands in for a fast GPU engine: a step costs little, so the serving
 # path's per-message costs weigh far more than with a real model.
 SERVED_MIN_THROUGHPUT_SHARE = {"model": 0.9, "quick": 0.5}
@@ -291,10 +291,8 @@ def served_lines(systems: dict, name: str = SERVED) -> list[str]:
 def _served_notes(s: dict) -> list[str]:
     notes = s.get("notes") or {}
     ingress = notes.get("ingress", "proxy")
-    front = {"direct": "ingress", "haproxy": "HAProxy + ingress"}.get(ingress, "proxy + ingress")
-    serve_hops = (ingress == "proxy") + (0 if notes.get("engine_link") else 1)
-    hops = ["no such hop", "one such hop", "two such hops"][serve_hops] + (" (engine link)" if notes.get("engine_link")
-                                                                          else "")
+    # Requests go over engine links, which are no Serve calls: only Serve's proxy makes one.
+    hops = "one such hop (the proxy's)" if ingress == "proxy" else "no such hop"
     lines = []
     added = notes.get("added_ttft_s")
     if added:
@@ -304,10 +302,6 @@ def _served_notes(s: dict) -> list[str]:
                      f"in-process AsyncEngine p50 {added['engine_ttft_s']['p50'] * 1e3:.1f} ms; "
                      f"{added['requests']} requests one at a time, {added['prompt_len']}-token prompts, "
                      f"{min(added['output_lens'])}-{max(added['output_lens'])} tokens)")
-    split = (added or {}).get("proxy_and_ingress_s")
-    if split and not notes.get("engine_link"):  # the probe it subtracts is a Serve call this path no longer makes
-        lines.append(f"of that, {front} (gRPC probe minus the same probe sent straight to the engine "
-                     f"replica, same process) p50 {split['p50'] * 1e3:.1f} ms, p90 {split['p90'] * 1e3:.1f} ms")
     floor = notes.get("serve_call_floor_s")
     if floor:
         lines.append(f"for scale, one bare Serve streaming call (do-nothing replica, one item) takes "

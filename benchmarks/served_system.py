@@ -163,13 +163,12 @@ class ServedApp:
     """A local Ray with Serve (gRPC + HTTP on free ports) running build_app with one replica.
 
     ``ingress``: how the clients reach the ingress replica (deployments.ingress_env: Serve's
-    proxy, HAProxy, or the replica's own ports). Ray's environment is restored on exit."""
+    proxy or HAProxy). Ray's environment is restored on exit."""
 
     def __init__(self, model_dir: str, settings: BenchSettings, *, ingress: str = "proxy") -> None:
         self.model_dir = model_dir
         self.settings = settings
         self.ingress = ingress
-        self.direct = ingress == "direct"
         self.grpc_port = self.http_port = 0
         self.startup_s = 0.0
         self._saved_env: dict[str, str | None] = {}
@@ -182,7 +181,7 @@ class ServedApp:
         """SERVE_ENV and the ingress mode's environment, for the processes Ray starts."""
         from deployments.app import SERVE_ENV
 
-        env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **ingress_env(self.ingress, self.grpc_port, self.http_port)}
+        env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **ingress_env(self.ingress)}
         self._saved_env = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
 
@@ -209,12 +208,11 @@ class ServedApp:
 
         start = time.perf_counter()
         self.http_port, self.grpc_port = free_port(), free_port()
-        proxy_http, proxy_grpc = (free_port(), free_port()) if self.direct else (self.http_port, self.grpc_port)
         self._set_env()
         ray.init(num_cpus=self.settings.threads + 1, include_dashboard=False, log_to_driver=False)
         try:
-            serve.start(http_options=HTTPOptions(host="127.0.0.1", port=proxy_http),
-                        grpc_options=gRPCOptions(port=proxy_grpc, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
+            serve.start(http_options=HTTPOptions(host="127.0.0.1", port=self.http_port),
+                        grpc_options=gRPCOptions(port=self.grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
             serve.run(build_app(self.app_args()), name=APP_NAME, route_prefix="/")
             self._wait_ready()
         except BaseException:
@@ -254,34 +252,11 @@ class ServedApp:
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
         return handle.stats.remote().result(timeout_s=30)
 
-    def handle_probe_ttft(self, vocab_size: int) -> list[float]:
-        """The probe sent from here straight to the engine replica (one Serve hop, no proxy, no ingress).
-
-        Same replica process as the gRPC probe, so the difference between the two is the
-        proxy and ingress alone, whatever this process's forward speed.
-        """
-        from ray import serve
-
-        from deployments.ingress import ENGINE_DEPLOYMENT
-        from deployments.requests import PreparedRequest
-        from engine.sampling import SamplingParams
-
-        handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME).options(stream=True)
-        ttfts = []
-        for r in probe_requests(vocab_size):
-            params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-            request = PreparedRequest(f"{r.request_id}-handle", tuple(r.prompt_token_ids), params).engine_request()
-            start, first = time.perf_counter(), None
-            for message in handle.generate.remote(request):
-                if first is None and message["token_ids"]:
-                    first = time.perf_counter() - start
-            ttfts.append(first)
-        return ttfts
-
     def serve_call_floor(self, calls: int = 20) -> dict:
         """For scale: a bare Serve streaming call (this process -> a do-nothing replica -> one item).
 
-        The served path makes two such hops (proxy -> ingress -> engine replica) plus gRPC.
+        Through Serve's proxy the served path makes one such hop (proxy -> ingress) plus gRPC;
+        the ingress reaches the engine replica over an engine link.
         Deployed as a second application, so no gRPC call may follow (with two apps the
         proxy wants the app named in every call's metadata).
         """
@@ -329,11 +304,6 @@ def run_served(requests: list[BenchRequest], settings: BenchSettings,
     return _run(requests, settings, progress, ingress="proxy")
 
 
-def run_served_direct(requests: list[BenchRequest], settings: BenchSettings,
-                      progress: Callable[[int], None]) -> SystemRun:
-    return _run(requests, settings, progress, ingress="direct")
-
-
 def run_served_haproxy(requests: list[BenchRequest], settings: BenchSettings,
                        progress: Callable[[int], None]) -> SystemRun:
     return _run(requests, settings, progress, ingress="haproxy")
@@ -350,14 +320,10 @@ def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callab
             traces, makespan, occupancy = run_streams(app.target, requests, progress, sample_occupancy=True)
             cpu_after, after = per_process(cpu_seconds), app.engine_stats()
             served_ttft = served_probe_ttft(app.target, vocab_size)
-            handle_ttft = app.handle_probe_ttft(vocab_size)
             floor = app.serve_call_floor()
             startup_s = app.startup_s
         engine_ttft = _in_process_probe(engine_options(settings), model_dir)
     added = added_ttft(served_ttft, engine_ttft)
-    # gRPC client minus the direct handle call, per request: the proxy + ingress share of it.
-    added["proxy_and_ingress_s"] = percentiles([a - b for a, b in zip(served_ttft, handle_ttft)])
-    added["replica_handle_ttft_s"] = percentiles(handle_ttft)
     return SystemRun(
         traces, makespan, _delta(after, before, "num_generated_tokens"), occupancy,
         preemptions=_delta(after, before, "num_preemptions"),
@@ -374,7 +340,7 @@ def _run(requests: list[BenchRequest], settings: BenchSettings, progress: Callab
                             + "Router ingress -> engine link -> EngineReplica (1 replica)"})
 
 
-_FRONT = {"proxy": "Serve proxy -> ", "haproxy": "HAProxy -> ", "direct": ""}
+_FRONT = {"proxy": "Serve proxy -> ", "haproxy": "HAProxy -> "}
 
 
 def _vocab_size(model_dir: str) -> int:

@@ -99,11 +99,6 @@ register_system(SystemSpec(
     "engine link -> one EngineReplica with the continuous system's engine options",
     "benchmarks.served_system:run_served"))
 register_system(SystemSpec(
-    "served_direct", "slotserve, served direct",
-    "the same application with Serve's direct ingress: gRPC streaming clients -> Router ingress replica (its own "
-    "gRPC server, no proxy) -> one EngineReplica",
-    "benchmarks.served_system:run_served_direct"))
-register_system(SystemSpec(
     "served_haproxy", "slotserve, via HAProxy",
     "the same application in Ray Serve's HAProxy mode: gRPC streaming clients -> HAProxy (C, one per node, "
     "following Serve's ingress replicas) -> Router ingress replica's own gRPC server -> engine link -> one EngineReplica",

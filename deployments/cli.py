@@ -17,8 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.ingress_env import (INGRESS_MODES, INGRESS_NAMES, claim_client_ports, default_ingress, free_port,
-                                     ingress_env)
+from deployments.ingress_env import INGRESS_MODES, INGRESS_NAMES, check_client_ports, default_ingress, ingress_env
 
 DEFAULT_CONFIG = "configs/local-cpu.yaml"
 DEFAULT_TARGET = "127.0.0.1:9000"
@@ -144,16 +143,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tls = bool(http.get("ssl_certfile"))
     ingress = args.ingress or default_ingress(tls)
     if ingress == "haproxy" and tls:
-        raise ValueError("http_options.ssl_certfile: HAProxy mode serves plain HTTP; for HTTPS use --ingress "
-                         "proxy or direct")
-    client_ports = grpc_options["port"], http["port"]
-    for pid in claim_client_ports(http["host"], {"grpc_options.port": client_ports[0],
-                                                 "http_options.port": client_ports[1]}):
-        print(f"stopped HAProxy pid {pid}, left holding the client ports by a slotserve serve that was killed",
-              file=sys.stderr, flush=True)
-    env = {**SERVE_ENV, **ingress_env(ingress, *client_ports)}
-    if ingress == "direct":  # the ingress replica takes the configured ports; Serve's proxy others
-        http, grpc_options = {**http, "port": free_port()}, {**grpc_options, "port": free_port()}
+        raise ValueError("http_options.ssl_certfile: HAProxy mode serves plain HTTP; for HTTPS use --ingress proxy")
+    check_client_ports(http["host"], {"grpc_options.port": grpc_options["port"], "http_options.port": http["port"]})
+    env = {**SERVE_ENV, **ingress_env(ingress)}
     http_options, grpc_serve_options = HTTPOptions(**http), gRPCOptions(**grpc_options)
     for key, value in env.items():  # the local cluster's processes inherit it
         os.environ.setdefault(key, value)
@@ -174,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             serve.run(application, name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"),
                       blocking=False)
         host, scheme = http["host"], "https" if http.get("ssl_certfile") else "http"
-        grpc_port, http_port = client_ports
+        grpc_port, http_port = grpc_options["port"], http["port"]
         print(f"slotserve is up (ingress: {INGRESS_NAMES[ingress]}):\n"
               f"  gRPC  {host}:{grpc_port} (slotserve.v1.SlotServe, "
               f"grpc.health.v1.Health; plaintext, on all interfaces)\n"
@@ -219,11 +211,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, help="Ray's Prometheus metrics port (default: Ray picks a free one)")
     s.add_argument("--ingress", choices=INGRESS_MODES,
                    help="what takes the client ports: haproxy (Ray Serve's HAProxy mode: HAProxy forwards to the "
-                        "ingress replicas' own servers; the default, or proxy when http_options has a certificate), "
-                        "proxy (Serve's Python proxy), direct (the ingress replica itself, no hop; more ingress "
-                        "replicas take the next ports). docs/SERVING.md")
-    s.add_argument("--direct-ingress", dest="ingress", action="store_const", const="direct",
-                   help="the same as --ingress direct")
+                        "ingress replicas' own servers; the default, or proxy when http_options has a certificate) "
+                        "or proxy (Serve's Python proxy, which also serves HTTPS). docs/SERVING.md")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion over gRPC")

@@ -58,10 +58,10 @@ def _probe(p50: float, p99: float, engine: float = 0.002) -> dict:
 
 
 def test_each_served_system_run_is_judged():
-    notes = {"added_ttft_s": _probe(0.003, 0.009), "ingress": "direct"}
-    table = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served_direct": {**_fake(60.0, 0.1, 1.0), "notes": notes}})
+    notes = {"added_ttft_s": _probe(0.003, 0.009), "ingress": "haproxy"}
+    table = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served_haproxy": {**_fake(60.0, 0.1, 1.0), "notes": notes}})
     judged = judge_targets("uniform", table, None, quick=True)[-3:]
-    assert [t["target"].split(" >= ")[0].split(" path")[0] for t in judged] == ["served, direct ingress,"] * 3
+    assert [t["target"].split(" >= ")[0].split(" path")[0] for t in judged] == ["served via HAProxy,"] * 3
     assert [t["status"] for t in judged] == ["reached", "reached", "reached"]
     both = ratios({"continuous": _fake(100.0, 0.1, 1.0), "served": {**_fake(40.0, 0.1, 1.0), "notes": notes},
                    "served_haproxy": {**_fake(55.0, 0.1, 1.0), "notes": {"added_ttft_s": _probe(0.004, 0.02)}}})
@@ -69,7 +69,7 @@ def test_each_served_system_run_is_judged():
     assert [t["target"].split(" >= ")[0].split(" path")[0] for t in judged] == \
         ["served"] * 3 + ["served via HAProxy,"] * 3
     assert [t["status"] for t in judged] == ["missed", "reached", "reached", "reached", "reached", "missed"]
-    for ingress, hops in [("direct", "one such hop"), ("haproxy", "one such hop"), ("proxy", "two such hops")]:
+    for ingress, hops in [("haproxy", "no such hop"), ("proxy", "one such hop")]:
         floor = {"ingress": ingress, "serve_call_floor_s": {"p50": 0.004, "p90": 0.005}}
         lines = served_lines({"served_x": {"notes": floor}}, "served_x")
         assert lines and all(line.startswith("served_x: ") for line in lines) and hops in lines[-1]

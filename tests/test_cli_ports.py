@@ -1,5 +1,6 @@
-"""`slotserve serve` checks its client ports before Ray starts: an HAProxy orphaned by a killed
-run is stopped (the real binary of ray[serve]'s HAProxy mode), anything else is named."""
+"""`slotserve serve` checks its client ports before Ray starts: whatever holds one is named, and
+an HAProxy orphaned by a killed run (the real binary of ray[serve]'s HAProxy mode) is called that,
+with the command that stops it; nothing is stopped for the user."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import psutil
 import pytest
 
-from deployments.ingress_env import claim_client_ports, free_port
+from deployments.ingress_env import check_client_ports, free_port
 from tests.waits import wait_until
 
 
@@ -40,12 +41,11 @@ def orphaned_haproxy(tmp_path):
             proc.kill()
 
 
-def test_an_orphaned_haproxy_on_a_client_port_is_stopped(orphaned_haproxy):
-    free = free_port()
-    stopped = claim_client_ports("127.0.0.1", {"grpc_options.port": orphaned_haproxy, "http_options.port": free})
-    assert len(stopped) == 1
-    wait_until(lambda: not psutil.pid_exists(stopped[0]), "the orphan gone", timeout_s=5)
-    wait_until(lambda: not _listening(orphaned_haproxy), "the port freed", timeout_s=5)
+def test_an_orphaned_haproxy_on_a_client_port_is_named_with_how_to_stop_it(orphaned_haproxy):
+    with pytest.raises(ValueError, match=rf"grpc_options.port: port {orphaned_haproxy} .* in use by haproxy "
+                                         r"\(pid (\d+)\) \(an HAProxy left by a killed slotserve serve: kill \1\)"):
+        check_client_ports("127.0.0.1", {"grpc_options.port": orphaned_haproxy, "http_options.port": free_port()})
+    assert _listening(orphaned_haproxy)  # left alone
 
 
 def test_a_port_held_by_anything_else_is_an_error_naming_the_field_and_the_holder():
@@ -54,9 +54,9 @@ def test_a_port_held_by_anything_else_is_an_error_naming_the_field_and_the_holde
         sock.listen()
         port = sock.getsockname()[1]
         with pytest.raises(ValueError, match=rf"http_options.port: port {port} on 127.0.0.1 is in use by \S+ \(pid {os.getpid()}\)"):
-            claim_client_ports("127.0.0.1", {"http_options.port": port})
+            check_client_ports("127.0.0.1", {"http_options.port": port})
         assert _listening(port)  # left alone
 
 
 def test_free_ports_pass_untouched():
-    assert claim_client_ports("127.0.0.1", {"grpc_options.port": free_port(), "http_options.port": free_port()}) == []
+    check_client_ports("127.0.0.1", {"grpc_options.port": free_port(), "http_options.port": free_port()})

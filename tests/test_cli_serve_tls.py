@@ -88,22 +88,3 @@ def test_haproxy_with_a_certificate_is_refused_naming_the_field(tmp_path, stubbe
 def test_serve_refuses_bad_tls_options_before_ray_starts(tmp_path, stubbed_serve, capsys, http_options, error):
     assert main(["serve", "--config", _config(tmp_path, http_options)]) == 2
     assert error in capsys.readouterr().err and "init" not in stubbed_serve
-
-
-@pytest.mark.parametrize("flag", [["--direct-ingress"], ["--ingress", "direct"]])
-def test_direct_ingress_gives_the_ingress_the_configured_ports(tmp_path, stubbed_serve, capsys, flag):
-    assert main(["serve", "--config", _config(tmp_path, {}), *flag]) == 0
-    env = stubbed_serve["env"]
-    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
-    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]) == \
-        ("9443", "8443")
-    proxy = stubbed_serve["start"]  # Serve's head-node proxy stays, on ports of its own
-    assert proxy["http_options"].port not in (8443, 9443) and proxy["grpc_options"].port not in (8443, 9443)
-    out = capsys.readouterr().out
-    assert "direct ingress" in out and "127.0.0.1:9443" in out and "http://127.0.0.1:8443/v1" in out
-
-
-def test_direct_ingress_refuses_overlapping_ports(tmp_path, stubbed_serve, capsys):
-    config = _config(tmp_path, {})
-    assert main(["serve", "--config", config, "--direct-ingress", "--http-port", "9440"]) == 2
-    assert "overlap" in capsys.readouterr().err and "init" not in stubbed_serve

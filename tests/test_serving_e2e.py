@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
-from tests.ray_cluster import Ports, free_port, served_app
+from tests.ray_cluster import served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -53,11 +53,10 @@ class Service:
         return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module", params=["proxy", "haproxy", "direct"])
+@pytest.fixture(scope="module", params=["proxy", "haproxy"])
 def service(request, tiny_model_dir, tmp_path_factory):
-    """Clients reach the ingress through Serve's proxy, HAProxy, or straight (Serve's direct
-    ingress; deployments.ingress_env); the ingress reaches the engines over engine links
-    (deployments.link), with mutual TLS behind HAProxy."""
+    """Clients reach the ingress through Serve's proxy or HAProxy (deployments.ingress_env); the
+    ingress reaches the engines over engine links (deployments.link), with mutual TLS behind HAProxy."""
     from deployments.ingress_env import ingress_env
     from tests.test_link_tls import link_certificates
 
@@ -67,10 +66,7 @@ def service(request, tiny_model_dir, tmp_path_factory):
     if request.param == "haproxy":
         tls = link_certificates(tmp_path_factory.mktemp("link-tls"), "app")
         app["engine_link_tls"] = {"certfile": tls.certfile, "keyfile": tls.keyfile, "cafile": tls.cafile}
-    direct = Ports(free_port(), free_port()) if request.param == "direct" else None
-    env = ingress_env(request.param, direct.grpc, direct.http) if direct else ingress_env(request.param, 0, 0)
-    with served_app(app, env=env) as proxy:
-        ports = direct or proxy
+    with served_app(app, env=ingress_env(request.param)) as ports:
         svc = Service(ports.http, ports.grpc)
         svc.mode = request.param
         yield svc
@@ -181,7 +177,7 @@ def test_the_client_ports_belong_to_the_modes_listener(service):
     import psutil
 
     owners = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-    expected = {"proxy": "ray::ProxyActor", "haproxy": "haproxy", "direct": "ray::ServeReplica:slotserve:Router"}
+    expected = {"proxy": "ray::ProxyActor", "haproxy": "haproxy"}
     for port in (service.grpc_port, service.http_port):
         command = " ".join(psutil.Process(owners[port]).cmdline())
         assert expected[service.mode] in command, (service.mode, port, command)
@@ -304,8 +300,8 @@ def test_health_info_tokenize_and_cli(service, offline, capsys):
 
 
 def test_a_restarted_ingress_serves_on_the_same_ports(service):
-    """Last here: it kills the Router replica. With direct ingress its ports are the clients';
-    with HAProxy, HAProxy must follow the new replica's."""
+    """Last here: it kills the Router replica. With HAProxy, HAProxy must follow the new replica's
+    own ports; with Serve's proxy, the proxy must route to the new replica."""
     import ray
 
     from tests.ray_cluster import APP

@@ -148,5 +148,14 @@ threads). tests/test_helm.py checks the two agree.
   value: "1"
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: {{ .Values.serve.ingressDrainingSeconds | toString | quote }}
+{{- /* the Router replicas' own ports, below Linux's ephemeral range (ingress_env.INGRESS_REPLICA_PORTS) */}}
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT
+  value: "31000"
+- name: RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT
+  value: "31999"
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT
+  value: "30000"
+- name: RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT
+  value: "30999"
 {{- end }}
 {{- end }}
