@@ -75,7 +75,7 @@ def _tensor_parallel_placement(cfg: AppConfig) -> dict[str, Any]:
     """One bundle per rank, all on one node (STRICT_PACK: the ranks share NVLink). The replica
     actor, rank 0, takes bundle 0; deployments.tp_launcher puts rank r in bundle r."""
     res = cfg.replica_resources
-    bundle = {k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}
+    bundle = {**res.resources, **{k: v for k, v in (("CPU", res.num_cpus), ("GPU", res.num_gpus)) if v > 0}}
     return {"placement_group_bundles": [dict(bundle) for _ in range(cfg.tensor_parallel_size)],
             "placement_group_strategy": "STRICT_PACK"}
 
@@ -84,7 +84,9 @@ def engine_deployment_options(cfg: AppConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT,
         "ray_actor_options": {"num_cpus": cfg.replica_resources.num_cpus,
-                              "num_gpus": cfg.replica_resources.num_gpus},
+                              "num_gpus": cfg.replica_resources.num_gpus,
+                              **({"resources": dict(cfg.replica_resources.resources)}
+                                 if cfg.replica_resources.resources else {})},
         "max_ongoing_requests": cfg.engine_max_ongoing_requests(),
         # Serve drains ongoing requests within this budget, then calls __del__ (which
         # stops the engine); leave the engine a few seconds to stop before the kill.
@@ -129,7 +131,9 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
     # The ingress holds the client side of every stream: when the app stops it must outlast
     # the engines' drain, or Serve's default 20 s grace cuts streams the engines still serve.
     ingress = serve.deployment(RouterIngress, name=INGRESS_DEPLOYMENT, num_replicas=cfg.ingress.num_replicas,
-                               ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+                               ray_actor_options={"num_cpus": cfg.ingress.num_cpus,
+                                                  **({"resources": dict(cfg.ingress.resources)}
+                                                     if cfg.ingress.resources else {})},
                                max_ongoing_requests=cfg.ingress.max_ongoing_requests,
                                graceful_shutdown_timeout_s=cfg.drain_timeout_s + 10.0,
                                graceful_shutdown_wait_loop_s=0.5)

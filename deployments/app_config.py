@@ -9,7 +9,7 @@ config fails when the application starts, with the field named
 from __future__ import annotations
 
 from pathlib import PurePath
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -66,6 +66,9 @@ class ReplicaResources(BaseModel):
 
     num_cpus: Float = Field(1.0, ge=0)
     num_gpus: Float = Field(0.0, ge=0)
+    resources: dict[Str, Annotated[Float, Field(gt=0)]] = Field(default_factory=dict)
+    """Custom Ray resources (``ray start --resources``), to keep engine replicas on the nodes
+    that offer them: a GPU node pool, say."""
 
 
 class IngressOptions(BaseModel):
@@ -75,6 +78,9 @@ class IngressOptions(BaseModel):
     num_cpus: Float = Field(0.5, ge=0)
     max_ongoing_requests: Int = Field(1024, ge=1)
     """Concurrent streams one ingress replica holds (Serve's default of 5 would throttle it)."""
+    resources: dict[Str, Annotated[Float, Field(gt=0)]] = Field(default_factory=dict)
+    """Custom Ray resources, to keep ingress replicas on the nodes that offer them (the head, or
+    CPU nodes that outlive the GPU ones)."""
 
 
 class LinkTlsFiles(BaseModel):

@@ -32,7 +32,8 @@ def haproxy_env(*, draining_s: float = 2.0) -> dict[str, str]:
     controller updates every node's HAProxy within about 0.1 s, so a few seconds cover it;
     Serve's default, 30 s, also waits out load balancers in front of HAProxy."""
     ports = {f"RAY_SERVE_DIRECT_INGRESS_{bound}_{protocol}_PORT": str(port)
-             for protocol, (low, high) in INGRESS_REPLICA_PORTS.items() for bound, port in (("MIN", low), ("MAX", high))}
+             for protocol, (low, high) in INGRESS_REPLICA_PORTS.items()
+             for bound, port in (("MIN", low), ("MAX", high))}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": f"{draining_s:g}",
             **ports}
 

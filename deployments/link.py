@@ -13,8 +13,9 @@ loads) and an ingress's first requests before its router has heard from any repl
 Frames are typed MessagePack (``deployments.link_wire``): nothing read from the socket is
 unpickled or run, and no frame is read at all before both sides have proved they hold the
 application's random token (``new_token``): each sends a fresh nonce and an HMAC of both nonces
-under the token, so the token never crosses the wire and a recorded handshake cannot be replayed. Both sides probe an idle connection (TCP keepalive), and the
-replica bounds what a stalled ingress can make it buffer.
+under the token, so the token never crosses the wire and a recorded handshake cannot be replayed;
+with ``engine_link_tls`` the connection is mutual TLS as well. Both sides probe an idle connection
+(TCP keepalive), and the replica bounds what a stalled ingress can make it buffer.
 
 ``LinkServer`` is the replica's side (over its ``mux.ReplicaHub``), ``LinkTransport`` the
 ingress's (a ``mux.MuxTransport``); both are plain asyncio, tested over loopback without Ray.

@@ -116,11 +116,18 @@ class Recorder(Protocol):
     def record(self, name: str, value: float, tags: Mapping[str, str] | None = None) -> None:
         """Counter: add ``value``; gauge: set it; histogram: observe it. ``name`` is a METRICS key."""
 
+    def start_at_zero(self, name: str, tags: Mapping[str, str] | None = None) -> None:
+        """Export counter ``name`` (with ``tags``) at 0 before its first event, as vLLM's are:
+        ``increase()`` and ``rate()`` see the first event only against an earlier sample."""
+
 
 class NullRecorder:
     enabled = False
 
     def record(self, name: str, value: float, tags: Mapping[str, str] | None = None) -> None:
+        pass
+
+    def start_at_zero(self, name: str, tags: Mapping[str, str] | None = None) -> None:
         pass
 
 
@@ -163,6 +170,11 @@ class RayRecorder:
         else:
             metric.observe(value, tags)
 
+    def start_at_zero(self, name: str, tags: Mapping[str, str] | None = None) -> None:
+        # Counter.inc refuses 0 and Ray has no call that makes a series before its first event;
+        # _record is what inc calls once its check passed.
+        self._metric(name)._record(0, dict(tags) if tags else None)
+
 
 def recorder_for(model_name: str) -> Recorder:
     """Ray metrics inside a Ray worker (a Serve replica, the proxy); a no-op anywhere else."""
@@ -178,12 +190,19 @@ _STATS_COUNTERS = {"num_preemptions": "num_preemptions", "generation_tokens": "n
                    "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits"}
 
 
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
+
+
 class EngineMetrics:
     """What one engine replica records: its engine's stats, and each request when it ends."""
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self._exported: dict[str, int] = {}  # cumulative engine counters already exported
+        for name in (*_STATS_COUNTERS, "prompt_tokens"):
+            recorder.start_at_zero(name)
+        for reason in FINISH_REASONS:
+            recorder.start_at_zero("request_success", {"finished_reason": reason})
 
     @property
     def enabled(self) -> bool:
@@ -266,11 +285,17 @@ class RequestMetrics:
 
 # -------------------------------------------------------------------- ingress
 
+REJECTION_REASONS = ("invalid", "unauthenticated", "overloaded", "unavailable", "deadline", "internal")
+"""Every ``ServingError.metric_reason`` (tests/test_metrics.py keeps the two in step)."""
+
+
 class IngressMetrics:
     """Rejections, recorded where errors are mapped to status codes (gRPC and OpenAI)."""
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
+        for reason in REJECTION_REASONS:
+            recorder.start_at_zero("requests_rejected", {"reason": reason})
 
     @classmethod
     def for_model(cls, model_name: str) -> "IngressMetrics":

@@ -11,6 +11,7 @@ gets its scheduling audit trail in ``usage.audit`` (docs/OBSERVABILITY.md). Erro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import AsyncIterator
@@ -18,6 +19,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
 from deployments.frontend import Frontend
@@ -42,18 +44,39 @@ def error_response(exc: BaseException) -> JSONResponse:
     return _AsciiJSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
 
 
+DISCARD_BYTES = 64 << 20
+DISCARD_S = 10.0
+"""An oversized body is still read, and dropped, up to this much and this long before the 413 goes
+out: a client still sending when the server answers and closes gets a connection reset instead of
+the answer. Past either bound (a body of gigabytes, a client trickling) the answer goes out anyway."""
+
+
+async def _discard(chunks, size: int) -> None:
+    try:
+        async with asyncio.timeout(DISCARD_S):
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > DISCARD_BYTES:
+                    return
+    except (TimeoutError, ClientDisconnect):
+        pass
+
+
 async def _read_body(request: Request, max_body_bytes: int) -> bytes:
     """The body, refused as soon as it is known to pass the limit: never held whole in memory."""
     declared = request.headers.get("content-length")
+    chunks, size, kept = request.stream(), 0, []
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        if int(declared) <= DISCARD_BYTES:
+            await _discard(chunks, 0)
         raise PayloadTooLarge(f"the request body has {declared} bytes; the limit is {max_body_bytes}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    async for chunk in chunks:
         size += len(chunk)
         if size > max_body_bytes:
+            await _discard(chunks, size)
             raise PayloadTooLarge(f"the request body passes the limit of {max_body_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        kept.append(chunk)
+    return b"".join(kept)
 
 
 def _sse(obj: dict) -> str:
@@ -141,12 +164,12 @@ class OpenAIRoutes:
             prepared = await self.frontend.prepare(parsed.input, span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
             builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name)
+            headers = _id_headers(request, prepared)
             if parsed.stream:
-                return await self._stream(prepared, parsed, builder, span, audit)
+                return await self._stream(prepared, parsed, builder, span, audit, headers)
             _, deltas = await self.frontend.generate_all(prepared)
             span.end(deltas[-1])
-            return JSONResponse(_with_audit(builder.whole(deltas), deltas[-1], audit),
-                                headers={"x-request-id": _echo_id(prepared)})
+            return JSONResponse(_with_audit(builder.whole(deltas), deltas[-1], audit), headers=headers)
         except Exception as exc:
             span.end(error=exc)
             self.frontend.metrics.rejected(exc)
@@ -155,7 +178,8 @@ class OpenAIRoutes:
             span.end()
             raise
 
-    async def _stream(self, prepared, parsed: ParsedBody, builder: ResponseBuilder, span, audit: bool) -> Response:
+    async def _stream(self, prepared, parsed: ParsedBody, builder: ResponseBuilder, span, audit: bool,
+                      headers: dict[str, str]) -> Response:
         deltas = self.frontend.stream(prepared)
         try:
             # Wait for the first delta so that a rejection (overload, bad request found by
@@ -166,12 +190,16 @@ class OpenAIRoutes:
             raise
         return StreamingResponse(_events(first, deltas, parsed, builder, self.frontend.metrics, span, audit),
                                  media_type="text/event-stream",
-                                 headers={"x-request-id": _echo_id(prepared), "cache-control": "no-cache"})
+                                 headers={**headers, "cache-control": "no-cache"})
 
 
-def _echo_id(prepared) -> str:
-    """The client's x-request-id back, or the server's id when it sent none."""
-    return prepared.client_request_id or prepared.request_id
+def _id_headers(request: Request, prepared) -> dict[str, str]:
+    """``x-request-id``: the client's back, or the server's id when it sent none. Behind Serve's
+    proxy or HAProxy every request arrives with one (the client's, or one they made) and Serve
+    echoes it on the response: a second copy from here would be a duplicate header."""
+    if request.headers.get("x-request-id") is not None:
+        return {}
+    return {"x-request-id": prepared.client_request_id or prepared.request_id}
 
 
 def _wants_audit(header: str | None, parsed: ParsedBody) -> bool:

@@ -74,7 +74,8 @@ class SchedulerConfig:
     max_num_batched_tokens: Int = Field(2048, ge=1)
     """Token budget of one step (decodes + prefill chunks)."""
     max_waiting: Int = Field(1024, ge=0)
-    """Bounded waiting queue; beyond it submit raises EngineOverloadedError."""
+    """Requests that may wait for a slot; beyond it submit raises EngineOverloadedError. 0: no
+    queue, a request is taken only when a slot is free for it."""
     enable_chunked_prefill: Bool = True
     scheduling: Literal[SCHEDULING_MODES] = "continuous"
     """``continuous`` (join/leave every step) or ``static`` (fixed batches, the straw man)."""

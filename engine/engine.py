@@ -141,9 +141,13 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} chars")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
+        # The bound is on requests that must wait for a slot: with max_waiting 0 (no queue) a
+        # request that a free slot takes at the next step is still admitted.
+        free_slots = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
+        if self.scheduler.num_waiting - free_slots >= self.config.scheduler.max_waiting:
+            waiting = max(0, self.scheduler.num_waiting - free_slots)
             raise EngineOverloadedError(
-                f"engine queue is full ({self.scheduler.num_waiting} waiting, max_waiting "
+                f"engine queue is full ({waiting} waiting, max_waiting "
                 f"{self.config.scheduler.max_waiting}); retry later or on another replica")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, prompt, params, priority, next(self._seq), self.max_total_tokens, seed,

@@ -21,7 +21,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from engine.kv.hashing import prefix_routing_keys
 from router.inflight import offer_chooser, take_finished
-from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, Ranking, ReplicaLoad, RouterSettings,
+from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ROUTING_REASONS, Ranking, ReplicaLoad, RouterSettings,
                            rank_replicas)
 
 logger = logging.getLogger("ray.serve")
@@ -108,7 +108,7 @@ class SlotAwareRequestRouter(RequestRouter):
         self._sent: dict[ReplicaID, dict[str, float]] = {}
         self._reported_problems: set[ReplicaID] = set()
         self._last_saturation_log = 0.0
-        self._decisions: metrics.Counter | None = None  # made on first use, once the settings are known
+        self._decisions: metrics.Counter | None = None  # made once the settings are known (initialize_state)
         self._live: list[RunningReplica] = []
         self._lock = threading.Lock()
 
@@ -116,6 +116,11 @@ class SlotAwareRequestRouter(RequestRouter):
         """Receives ``request_router_kwargs``: the ``RouterSettings`` fields."""
         self._settings = RouterSettings.from_kwargs(kwargs)
         self._rng = random.Random(self._settings.seed)
+        self._decisions = metrics.Counter(ROUTING_DECISIONS_METRIC, "Routing decisions by why the first "
+                                          "choice won: prefix, load or fallback.", tag_keys=("model_name", "reason"))
+        self._decisions.set_default_tags({"model_name": self._settings.model_name})
+        for reason in ROUTING_REASONS:  # exported at 0 from the start; see deployments.metrics.start_at_zero
+            self._decisions._record(0, {"reason": reason})
 
     async def choose_replicas(
         self,
@@ -186,12 +191,8 @@ class SlotAwareRequestRouter(RequestRouter):
 
     def _record_decision(self, reason: str) -> None:
         # One per routing attempt: a request Serve re-routes (all ranks refused) counts again.
-        if self._decisions is None:
-            self._decisions = metrics.Counter(ROUTING_DECISIONS_METRIC, "Routing decisions by why the first "
-                                              "choice won: prefix, load or fallback.",
-                                              tag_keys=("model_name", "reason"))
-            self._decisions.set_default_tags({"model_name": self._settings.model_name})
-        self._decisions.inc(1, {"reason": reason})
+        if self._decisions is not None:
+            self._decisions.inc(1, {"reason": reason})
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         # Only generate calls take a slot: counting a burst of model_info or stats calls would make

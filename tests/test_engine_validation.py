@@ -59,16 +59,16 @@ def test_bad_input_does_not_disturb_running_requests(engine, tiny_model_dir):
 
 
 def test_overload_error_when_the_queue_is_full(engine):
-    for i in range(5):  # 2 slots are not used until a step runs: all 5 would wait
-        if i < 3:
+    for i in range(7):  # 2 take the free slots at the next step, 3 may wait for one
+        if i < 5:
             engine.add_request([1, 2, 3], GREEDY, request_id=f"q{i}")
         else:
-            with pytest.raises(EngineOverloadedError, match="max_waiting 3"):
+            with pytest.raises(EngineOverloadedError, match=r"\(3 waiting, max_waiting 3\)"):
                 engine.add_request([1, 2, 3], GREEDY, request_id=f"q{i}")
-    for i in range(3):
+    for i in range(5):
         assert engine.abort(f"q{i}")
     outs = engine.step()
-    assert sorted(o.request_id for o in outs if o.finish_reason == "abort") == ["q0", "q1", "q2"]
+    assert sorted(o.request_id for o in outs if o.finish_reason == "abort") == [f"q{i}" for i in range(5)]
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
@@ -206,3 +206,18 @@ def test_llm_leaves_no_request_behind_after_an_exception(tiny_model_dir, monkeyp
     monkeypatch.undo()
     again = llm.generate(prompts[:3], GREEDY)
     assert [len(o.outputs[0].token_ids) for o in again] == [GREEDY.max_tokens] * 3
+
+
+def test_without_a_queue_a_request_is_taken_when_a_slot_is_free(tiny_model_dir):
+    engine = LLMEngine.from_options(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=16,
+                                    max_model_len=512, max_waiting=0, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request([1, 2, 3], params, request_id="first")
+    with pytest.raises(EngineOverloadedError, match="max_waiting 0"):  # the one slot is spoken for
+        engine.add_request([1, 2, 3], params, request_id="second")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.finish_reason for o in outs if o.finished] == ["length"]
+    engine.add_request([4, 5], params, request_id="third")  # the slot is free again
+    assert engine.has_unfinished()

@@ -19,7 +19,8 @@ from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNo
                                 Unauthenticated, Unavailable)
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.grpc_service import SlotServeGrpcMixin
-from deployments.metrics import METRICS, EngineMetrics, IngressMetrics, RequestMetrics, exported_names
+from deployments.metrics import (METRICS, REJECTION_REASONS, EngineMetrics, IngressMetrics, RequestMetrics,
+                                 exported_names)
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.replica import EngineReplica
 from engine.errors import EngineOverloadedError, InvalidRequestError
@@ -36,10 +37,15 @@ class FakeRecorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, float, dict]] = []
+        self.zeros: list[tuple[str, dict]] = []
 
     def record(self, name, value, tags=None):
         assert name in METRICS, name
         self.calls.append((name, value, dict(tags or {})))
+
+    def start_at_zero(self, name, tags=None):
+        assert METRICS[name].kind == "counter", name
+        self.zeros.append((name, dict(tags or {})))
 
     def values(self, name: str, **tags) -> list[float]:
         return [v for n, v, t in self.calls if n == name and all(t.get(k) == w for k, w in tags.items())]
@@ -135,6 +141,20 @@ def test_replica_records_what_it_served():
         assert set(rec.values("num_slots")) == {4}
         await replica.shutdown()
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_every_counter_is_exported_at_zero_from_the_start():
+    def subclasses(cls):
+        return {cls} | {s for sub in cls.__subclasses__() for s in subclasses(sub)}
+
+    rec = FakeRecorder()
+    EngineMetrics(rec)
+    IngressMetrics(rec)
+    assert {name for name, _ in rec.zeros} == {name for name, d in METRICS.items() if d.kind == "counter"}
+    assert {t["finished_reason"] for n, t in rec.zeros if n == "request_success"} == {"stop", "length", "abort"}
+    reasons = {cls.metric_reason for cls in subclasses(ServingError)} - {None}
+    assert {t["reason"] for n, t in rec.zeros if n == "requests_rejected"} == set(REJECTION_REASONS) == reasons
+    assert not rec.calls  # nothing counted yet
 
 
 # -- the ingress: rejections by reason -----------------------------------------------------

@@ -124,6 +124,17 @@ def test_metrics_reach_prometheus(cluster):
         reps = stub.GetLoad(pb.GetLoadRequest(), metadata=AUTH, timeout=10).replicas
         return {"waiting": sum(r.waiting for r in reps), "running": sum(r.running for r in reps)}
 
+    def at_zero():  # before any traffic: every counter is there, at 0, for increase() to start from
+        s = Scrape(port)
+        counted = {(x.name, x.labels.get("reason") or x.labels.get("finished_reason")) for x in s.samples}
+        wanted = {("ray_slotserve_num_preemptions_total", None), ("ray_slotserve_prompt_tokens_total", None),
+                  ("ray_slotserve_request_success_total", "abort"),
+                  ("ray_slotserve_requests_rejected_total", "overloaded"),
+                  ("ray_slotserve_requests_rejected_total", "unavailable")}
+        return s if wanted <= counted else None
+    s = wait_until(at_zero, "the counters exported at 0", timeout_s=30, poll_s=0.5)
+    assert s.sum("ray_slotserve_num_preemptions_total") == 0 and s.sum("ray_slotserve_requests_rejected_total") == 0
+
     generated, prompt_tokens, reasons = _known_traffic(stub)
 
     def settled():

@@ -7,6 +7,7 @@ One module-scoped cluster and app serve every test here; tests leave it idle.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import grpc
@@ -297,6 +298,32 @@ def test_health_info_tokenize_and_cli(service, offline, capsys):
                  PROMPTS[0]]) == 0
     out = capsys.readouterr()
     assert out.out.rstrip("\n") == offline[0][0].rstrip("\n") and "24 completion tokens" in out.err
+
+
+def test_an_oversized_body_from_a_plain_client_gets_a_413_it_can_read(service):
+    """40 MB to a limit of 8 MiB with Python's urllib, which sends the whole body before it reads:
+    the server must read past the limit (and drop it) or the client sees a reset, not the 413."""
+    import urllib.error
+    import urllib.request
+
+    body = b'{"model": "tiny", "prompt": "' + b"x" * (40 << 20) + b'"}'
+    request = urllib.request.Request(f"{service.base_url}/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 413
+    assert "the limit is" in json.loads(refused.value.read())["error"]["message"]
+    assert service.generate(prompt="still here", sampling=pb.SamplingOptions(max_tokens=2))[-1].usage
+
+
+def test_a_response_carries_one_request_id_the_clients_or_one_made_for_it(service):
+    import httpx2
+
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    mine = httpx2.post(f"{service.base_url}/completions", json=body, headers={"x-request-id": "client-7"}, timeout=60)
+    assert mine.status_code == 200 and mine.headers.get_list("x-request-id") == ["client-7"]
+    made = httpx2.post(f"{service.base_url}/completions", json=body, timeout=60)
+    assert made.status_code == 200 and len(made.headers.get_list("x-request-id")) == 1
 
 
 def test_a_restarted_ingress_serves_on_the_same_ports(service):

@@ -1,0 +1,99 @@
+"""Several Ray nodes on this machine (``ray.cluster_utils.Cluster``): a node lost under load.
+
+The head runs Serve's controller, its proxy and the ingress (pinned there by a custom resource
+of the head's); two worker nodes offer one engine slot each (another custom resource), and a
+third stands by with a slot of its own. While 32 greedy streams run, the node of one busy engine
+replica is removed, raylet and workers together: every stream completes with the tokens of an
+undisturbed run (the ingress resumes the lost ones on the surviving replica over its engine
+link), and Serve starts the lost replica again on the spare node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from unittest import mock
+
+import grpc
+import pytest
+
+from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+from tests.ray_cluster import APP, free_port
+from tests.test_fault_e2e import ENGINE, MAX_TOKENS, STREAMS, Stream, _prompt
+from tests.waits import wait_until
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+
+ENGINE_REPLICA_CLASS = f"ServeReplica:{APP}:EngineReplica"
+
+
+@pytest.fixture(scope="module")
+def nodes(tiny_model_dir):
+    """(cluster, worker nodes, gRPC stub): the app on a head and three worker nodes."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+    from ray.serve.config import HTTPOptions, ProxyLocation, gRPCOptions
+
+    from deployments.app import SERVE_ENV, build_app
+    from deployments.grpc_registration import SERVICER_FUNCTIONS
+
+    app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
+           "replica_resources": {"num_cpus": 0.5, "resources": {"engine_slot": 1}},
+           "ingress": {"num_cpus": 0.25, "resources": {"head": 1}}, "drain_timeout_s": 2}
+    with mock.patch.dict(os.environ, {"RAY_AUTH_MODE": "disabled", **SERVE_ENV}), contextlib.ExitStack() as stack:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 4},
+                                                                "include_dashboard": False})
+        stack.callback(cluster.shutdown)
+        workers = [cluster.add_node(num_cpus=1, resources={"engine_slot": 1}) for _ in range(3)]
+        ray.init(address=cluster.address)
+        stack.callback(ray.shutdown)
+        grpc_port = free_port()
+        serve.start(proxy_location=ProxyLocation.HeadOnly, http_options=HTTPOptions(host="127.0.0.1", port=free_port()),
+                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(SERVICER_FUNCTIONS)))
+        stack.callback(serve.shutdown)
+        serve.run(build_app(app), name=APP, route_prefix="/")
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stack.callback(channel.close)
+        yield cluster, workers, slotserve_pb2_grpc.SlotServeStub(channel)
+
+
+def _engine_nodes() -> dict[str, str]:
+    """Node id of each live engine replica's actor, by actor id."""
+    from ray.util.state import list_actors
+
+    return {a.actor_id: a.node_id for a in list_actors(filters=[("class_name", "=", ENGINE_REPLICA_CLASS),
+                                                                 ("state", "=", "ALIVE")])}
+
+
+def test_a_lost_engine_node_loses_no_stream_and_its_replica_returns_on_another(nodes, tiny_model_dir):
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    cluster, workers, stub = nodes
+    want = [list(o.outputs[0].token_ids) for o in LLM(str(tiny_model_dir), **{**ENGINE, "max_waiting": 64}).generate(
+        [{"prompt_token_ids": _prompt(i)} for i in range(STREAMS)],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    before = _engine_nodes()
+    assert len(before) == 2 and len(set(before.values())) == 2  # one engine replica on each of two nodes
+    streams = [Stream(stub, i) for i in range(STREAMS)]
+    for s in streams:
+        s.start()
+    wait_until(lambda: sum(bool(s.tokens) for s in streams) >= STREAMS // 2
+               and all(r.running for r in stub.GetLoad(pb.GetLoadRequest(), timeout=10).replicas),
+               "both replicas running streams", 120, poll_s=0.2)
+    assert not any(s.finish for s in streams), "streams ended before the node went: raise MAX_TOKENS"
+    victim = next(w for w in workers if w.node_id == next(iter(before.values())))
+    cluster.remove_node(victim, allow_graceful=False)
+    for s in streams:
+        s.join(300)
+    assert [s.error for s in streams if s.error] == []
+    assert all(s.finish == "FINISH_REASON_LENGTH" and s.completion_tokens == MAX_TOKENS for s in streams)
+    assert [s.tokens for s in streams] == want
+    spare = next(w.node_id for w in workers if w.node_id not in before.values())
+    wait_until(lambda: spare in _engine_nodes().values() and len(_engine_nodes()) == 2,
+               "the lost replica started again on the spare node", 120, poll_s=0.5)
+    out = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=_prompt(0)), sampling=pb.SamplingOptions(
+        temperature=0, max_tokens=8, ignore_eos=True)), timeout=60))
+    assert [t for m in out for t in m.token_ids] == want[0][:8]
