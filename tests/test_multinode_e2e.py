@@ -25,9 +25,6 @@ from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 
-ENGINE_REPLICA_CLASS = f"ServeReplica:{APP}:EngineReplica"
-
-
 @pytest.fixture(scope="module")
 def nodes(tiny_model_dir):
     """(cluster, worker nodes, gRPC stub): the app on a head and three worker nodes."""
@@ -60,11 +57,21 @@ def nodes(tiny_model_dir):
 
 
 def _engine_nodes() -> dict[str, str]:
-    """Node id of each live engine replica's actor, by actor id."""
-    from ray.util.state import list_actors
+    """Node id of each live engine replica, by its actor name."""
+    import ray
 
-    return {a.actor_id: a.node_id for a in list_actors(filters=[("class_name", "=", ENGINE_REPLICA_CLASS),
-                                                                 ("state", "=", "ALIVE")])}
+    nodes = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(f"SERVE_REPLICA::{APP}#EngineReplica#"):
+            try:
+                actor = ray.get_actor(entry["name"], namespace="serve")
+                # A lambda travels by value; a function of this module would be looked up by a
+                # module name the replica's process cannot import.
+                where = actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+                nodes[entry["name"]] = ray.get(where, timeout=10)
+            except Exception:  # noqa: BLE001 - gone or not started: not live
+                continue
+    return nodes
 
 
 def test_a_lost_engine_node_loses_no_stream_and_its_replica_returns_on_another(nodes, tiny_model_dir):
