@@ -72,25 +72,39 @@ def _kill_one_busy_replica(stub) -> str:
     return victim
 
 
-def test_replica_killed_mid_stream_loses_no_stream_and_no_token(stub, tiny_model_dir):
+def offline_tokens(model_dir) -> list[list[int]]:
+    """What each stream must get: the offline LLM's greedy tokens."""
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
-    want = [list(o.outputs[0].token_ids) for o in LLM(str(tiny_model_dir), **{**ENGINE, "max_waiting": 64}).generate(
+    return [list(o.outputs[0].token_ids) for o in LLM(str(model_dir), **{**ENGINE, "max_waiting": 64}).generate(
         [{"prompt_token_ids": _prompt(i)} for i in range(STREAMS)],
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+
+
+def streams_under_way(stub) -> list[Stream]:
+    """STREAMS streams started, once both replicas are streaming (the rest queued behind them)."""
     streams = [Stream(stub, i) for i in range(STREAMS)]
     for s in streams:
         s.start()
-    # Both replicas streaming (the rest queued behind them): then the busier one dies.
     wait_until(lambda: sum(bool(s.tokens) for s in streams) >= STREAMS // 2
                and all(r.running for r in stub.GetLoad(pb.GetLoadRequest(), timeout=10).replicas),
                "both replicas running streams", 120, poll_s=0.2)
-    assert not any(s.finish for s in streams), "streams ended before the kill: raise MAX_TOKENS"
-    victim = _kill_one_busy_replica(stub)
-    print(f"killed {victim} with {sum(bool(s.tokens) for s in streams)} of {STREAMS} streams under way")
+    assert not any(s.finish for s in streams), "streams ended before the fault: raise MAX_TOKENS"
+    return streams
+
+
+def assert_all_complete(streams: list[Stream], want: list[list[int]]) -> None:
     for s in streams:
         s.join(300)
     assert [s.error for s in streams if s.error] == []
     assert all(s.finish == "FINISH_REASON_LENGTH" and s.completion_tokens == MAX_TOKENS for s in streams)
     assert [s.tokens for s in streams] == want
+
+
+def test_replica_killed_mid_stream_loses_no_stream_and_no_token(stub, tiny_model_dir):
+    want = offline_tokens(tiny_model_dir)
+    streams = streams_under_way(stub)
+    victim = _kill_one_busy_replica(stub)
+    print(f"killed {victim} with {sum(bool(s.tokens) for s in streams)} of {STREAMS} streams under way")
+    assert_all_complete(streams, want)

@@ -85,37 +85,41 @@ async def _closed(reader) -> bytes:
     return await asyncio.wait_for(reader.read(), 5)
 
 
+async def _hostile_peer(send, marker: Path) -> bytes:
+    """A replica, a peer connected to its link doing ``send(reader, writer, token)``: what the
+    replica answered before it closed the connection; then the checks every case shares."""
+    token = new_token()
+    (rep,) = _replicas(token)
+    await asyncio.sleep(0)
+    reader, writer = await _connect(rep)
+    await send(reader, writer, token)
+    await writer.drain()
+    answer = await _closed(reader)
+    writer.close()
+    assert not marker.exists(), "a payload read from the link ran"
+    await _still_serves(rep, token)
+    await _shutdown([rep])
+    return answer
+
+
 @pytest.mark.parametrize("case", list(PAST_HANDSHAKE))
 def test_a_peer_holding_the_token_that_sends_a_bad_frame_is_cut_off_and_nothing_runs(case, tmp_path):
     marker = tmp_path / "ran"
 
-    async def main():
-        token = new_token()
-        (rep,) = _replicas(token)
-        await asyncio.sleep(0)
-        reader, writer = await _connect(rep)
+    async def send(reader, writer, token):
         await _handshake(reader, writer, token)
         writer.write(PAST_HANDSHAKE[case](marker))
-        await writer.drain()
-        assert await _closed(reader) == b""  # no output: the request (if any) never started
-        writer.close()
-        assert not marker.exists(), "a payload read from the link ran"
-        await _still_serves(rep, token)
-        await _shutdown([rep])
-    run(main())
+
+    assert run(_hostile_peer(send, marker)) == b""  # no output: the request (if any) never started
 
 
 @pytest.mark.parametrize("case", ["no token", "a wrong token", "garbage", "a pickle in place of the proof"])
 def test_a_peer_without_the_token_is_refused_before_any_frame_is_read(case, tmp_path, monkeypatch):
     monkeypatch.setattr(link, "HELLO_TIMEOUT_S", 0.5)
     marker = tmp_path / "ran"
+    payload = _framed(pickle.dumps(_Marker(marker)))
 
-    async def main():
-        token = new_token()
-        (rep,) = _replicas(token)
-        await asyncio.sleep(0)
-        reader, writer = await _connect(rep)
-        payload = _framed(pickle.dumps(_Marker(marker)))
+    async def send(reader, writer, token):
         if case == "a wrong token":
             try:
                 await _handshake(reader, writer, new_token())  # the replica proves first: the peer sees it fail
@@ -127,14 +131,8 @@ def test_a_peer_without_the_token_is_refused_before_any_frame_is_read(case, tmp_
         elif case == "a pickle in place of the proof":
             writer.write(b"\1" * 16 + payload + _submit_with())
         # "no token": says nothing, and the replica gives up after HELLO_TIMEOUT_S
-        await writer.drain()
-        answer = await _closed(reader)
-        assert len(answer) in (0, 16 + 32)  # at most the replica's nonce and proof
-        writer.close()
-        assert not marker.exists()
-        await _still_serves(rep, token)
-        await _shutdown([rep])
-    run(main())
+
+    assert len(run(_hostile_peer(send, marker))) in (0, 16 + 32)  # at most the replica's nonce and proof
 
 
 def test_the_link_reads_typed_frames_only():

@@ -20,7 +20,7 @@ import pytest
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
 from tests.ray_cluster import APP, free_port
-from tests.test_fault_e2e import ENGINE, MAX_TOKENS, STREAMS, Stream, _prompt
+from tests.test_fault_e2e import ENGINE, _prompt, assert_all_complete, offline_tokens, streams_under_way
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
@@ -75,29 +75,14 @@ def _engine_nodes() -> dict[str, str]:
 
 
 def test_a_lost_engine_node_loses_no_stream_and_its_replica_returns_on_another(nodes, tiny_model_dir):
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-
     cluster, workers, stub = nodes
-    want = [list(o.outputs[0].token_ids) for o in LLM(str(tiny_model_dir), **{**ENGINE, "max_waiting": 64}).generate(
-        [{"prompt_token_ids": _prompt(i)} for i in range(STREAMS)],
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    want = offline_tokens(tiny_model_dir)
     before = _engine_nodes()
     assert len(before) == 2 and len(set(before.values())) == 2  # one engine replica on each of two nodes
-    streams = [Stream(stub, i) for i in range(STREAMS)]
-    for s in streams:
-        s.start()
-    wait_until(lambda: sum(bool(s.tokens) for s in streams) >= STREAMS // 2
-               and all(r.running for r in stub.GetLoad(pb.GetLoadRequest(), timeout=10).replicas),
-               "both replicas running streams", 120, poll_s=0.2)
-    assert not any(s.finish for s in streams), "streams ended before the node went: raise MAX_TOKENS"
+    streams = streams_under_way(stub)
     victim = next(w for w in workers if w.node_id == next(iter(before.values())))
     cluster.remove_node(victim, allow_graceful=False)
-    for s in streams:
-        s.join(300)
-    assert [s.error for s in streams if s.error] == []
-    assert all(s.finish == "FINISH_REASON_LENGTH" and s.completion_tokens == MAX_TOKENS for s in streams)
-    assert [s.tokens for s in streams] == want
+    assert_all_complete(streams, want)
     spare = next(w.node_id for w in workers if w.node_id not in before.values())
     wait_until(lambda: spare in _engine_nodes().values() and len(_engine_nodes()) == 2,
                "the lost replica started again on the spare node", 120, poll_s=0.5)
