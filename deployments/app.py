@@ -30,7 +30,7 @@ from router.request_router import request_router_config
 
 INGRESS_DEPLOYMENT = "Router"
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-             "PYTHONNODEBUGRANGES": "1"}
+             "PYTHONNODEBUGRANGES": "1", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(8 << 20)}
 """Environment of every Ray process serving the app (``serve`` CLI, Helm chart, tests, benchmarks).
 
 - ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``: Serve runs a replica's methods on a second
@@ -41,6 +41,9 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_USE_G
   Serve's gRPC data plane instead of Ray actor calls (one of Serve's throughput-optimized
   settings): a streamed message no longer goes through Ray's object-returning generator
   machinery, which cost the proxy and the ingress 30-50 % of their CPU per token.
+- ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=8 MiB``: what the gRPC servers in front of the ingress (Serve's
+  proxy, or the ingress replica's own in HAProxy mode) accept, as ``max_body_bytes`` bounds HTTP
+  bodies; Ray's default is 2 GiB. A larger message fails with RESOURCE_EXHAUSTED before it is read.
 - ``PYTHONNODEBUGRANGES=1``: Python 3.11 draws a traceback's ``^^^`` markers with ``ast.parse``,
   whose AST constructor keeps its recursion count per interpreter, not per thread: two threads
   formatting a traceback at once (Serve logs a request's error while its gRPC data plane

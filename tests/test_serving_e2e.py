@@ -316,6 +316,13 @@ def test_an_oversized_body_from_a_plain_client_gets_a_413_it_can_read(service):
     assert service.generate(prompt="still here", sampling=pb.SamplingOptions(max_tokens=2))[-1].usage
 
 
+def test_a_grpc_message_over_8_mib_is_refused_before_the_ingress(service):
+    with pytest.raises(grpc.RpcError) as refused:
+        service.generate(prompt="x" * (9 << 20), sampling=pb.SamplingOptions(max_tokens=2))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+    assert service.generate(prompt="still here", sampling=pb.SamplingOptions(max_tokens=2))[-1].usage
+
+
 def test_a_response_carries_one_request_id_the_clients_or_one_made_for_it(service):
     import httpx2
 

@@ -142,6 +142,8 @@ threads). tests/test_helm.py checks the two agree.
   value: "1"
 - name: PYTHONNODEBUGRANGES
   value: "1"
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: "8388608"
 {{- if eq .Values.serve.ingress "haproxy" }}
 {{- /* deployments.ingress_env.haproxy_env */}}
 - name: RAY_SERVE_ENABLE_HA_PROXY
