@@ -181,10 +181,6 @@ class Sample:
     """Per replica id: running, waiting, max_num_seqs, slot_occupancy, num_finished (None: GetLoad failed)."""
     in_flight: int
 
-    @property
-    def running_replicas(self) -> int:
-        return self.states.get("RUNNING", 0)
-
 
 @dataclass
 class Monitor:

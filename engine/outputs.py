@@ -42,10 +42,6 @@ class RequestTiming:
     by the engine as things happen; nothing is formatted in the step loop (see ``audit_records``)."""
 
     @property
-    def queued_s(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 

@@ -67,10 +67,6 @@ class ParallelGroup:
     timings: dict[str, float] | None = field(default=None, compare=False, repr=False)
     """When given (profile=True), time spent in collectives accumulates here."""
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
     def _timed(self, key: str, t0: float) -> None:
         if self.timings is not None:
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
