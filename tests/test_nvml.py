@@ -31,6 +31,9 @@ class Recorder:
         assert set(tags or {}) <= set(METRICS[name].tags), (name, tags)
         self.calls.append((name, value, dict(tags or {})))
 
+    def start_at_zero(self, name, tags=None):
+        assert METRICS[name].kind == "counter", name
+
     def of(self, name: str) -> list[tuple[float, dict]]:
         return [(v, t) for n, v, t in self.calls if n == name]
 
