@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.metrics import SystemRun
-from benchmarks.served_client import (added_ttft, engine_probe_ttft, percentiles, probe_requests, run_streams,
-                                      served_probe_ttft)
+from benchmarks.served_client import added_ttft, engine_probe_ttft, run_streams, served_probe_ttft
 from benchmarks.systems import BenchSettings
 from benchmarks.workloads import BenchRequest, warmup_requests
 from deployments.ingress_env import free_port, ingress_env

@@ -26,7 +26,6 @@ from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNo
                                 Unauthenticated, Unavailable)
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.sampling import SamplingParams
-from router.policy import ROUTING_NOTE
 
 TOKEN_BYTES = 16
 LINK_TOKEN_ENV = "SLOTSERVE_LINK_TOKEN"
@@ -53,13 +52,13 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     resume_token_ids: list[int] = []
     trace_context: dict[str, str] | None = None
     operation: str = "text_completion"
-    routing: dict[str, Any] | None = None  # router.policy.ROUTING_NOTE
+    routing: dict[str, Any] | None = None
+    """The router's decision, under the key it writes it to (``router.policy.ROUTING_NOTE``)."""
 
     def as_dict(self) -> dict:
         """The replica's request dict; a bad sampling field raises SamplingParams's error."""
         request = msgspec.structs.asdict(self)
         request["params"] = SamplingParams(**self.params)
-        request[ROUTING_NOTE] = request.pop("routing")
         return request
 
 

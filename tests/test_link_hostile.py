@@ -135,6 +135,17 @@ def test_a_peer_without_the_token_is_refused_before_any_frame_is_read(case, tmp_
     assert len(run(_hostile_peer(send, marker))) in (0, 16 + 32)  # at most the replica's nonce and proof
 
 
+def test_a_submit_arrives_as_the_request_the_ingress_sent():
+    from deployments.link_wire import IngressFrame
+    from router.policy import ROUTING_NOTE
+
+    sent = {**_request(3), "ingress_id": "i", "priority": 2, "attempt": 1, "resume_token_ids": [7, 8],
+            "trace_context": {"traceparent": "00-ab-cd-01"}, "operation": "chat",
+            ROUTING_NOTE: {"reason": "prefix", "time_ns": 5}}
+    got = msgspec.msgpack.decode(frame(Submit(sent))[4:], type=IngressFrame).request.as_dict()
+    assert got == sent  # the router's note included, under the key the replica's tracing reads
+
+
 def test_the_link_reads_typed_frames_only():
     """A batch of outputs is MessagePack any reader can decode, and no module of the serving layer
     imports a deserializer that can run code."""
