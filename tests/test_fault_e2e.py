@@ -21,7 +21,7 @@ from tests.waits import wait_until
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 
 STREAMS = 32
-MAX_TOKENS = 900  # long enough to be mid-stream everywhere when the replica dies
+MAX_TOKENS = 500  # long enough to be mid-stream everywhere when the replica dies
 ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 16, "max_waiting": 48, "block_size": 16,
           "num_kv_blocks": 2048, "max_model_len": 1024}
 
