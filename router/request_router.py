@@ -203,8 +203,8 @@ class SlotAwareRequestRouter(RequestRouter):
 
     @staticmethod
     def _sent_key(pending_request: PendingRequest) -> str:
-        if getattr(pending_request.metadata, "call_method", None) in ("submit", "submit_linked"):
-            # A submit (deployments.mux) returns at once while its request runs on: counted
+        if getattr(pending_request.metadata, "call_method", None) == "submit_linked":
+            # A linked submit (deployments.link) returns at once while its request runs on: counted
             # until its stream ends here (router.inflight) or the replica's stats include it.
             return _request_dict(pending_request).get("request_id", pending_request.metadata.internal_request_id)
         return pending_request.metadata.internal_request_id

@@ -138,7 +138,7 @@ def test_a_choice_counts_before_serve_reports_the_routing():
 
 
 def test_submitted_requests_count_until_their_streams_end():
-    """deployments.mux: a submit call ends at once; its request is load until the ingress's stream ends."""
+    """deployments.link: a linked submit ends at once; its request is load until the ingress's stream ends."""
     from types import SimpleNamespace
 
     from router.inflight import request_finished
@@ -148,7 +148,7 @@ def test_submitted_requests_count_until_their_streams_end():
                 for i in range(2)]
     for i in range(4):
         request = {"prompt_token_ids": OTHER_PROMPT, "request_id": f"mux-{i}"}
-        ranks, pending = _choose(router, replicas, [request], request_id=f"call{i}", call_method="submit")
+        ranks, pending = _choose(router, replicas, [request], request_id=f"call{i}", call_method="submit_linked")
         router.on_request_routed(pending, ranks[0][0], None)
         router.on_request_completed(ranks[0][0], f"call{i}")  # the submit call returned
     assert [router._load_of(r).running for r in replicas] == [2, 2]
