@@ -3,15 +3,14 @@
 One class serves both protocols: Serve's gRPC proxy calls the RPC-named methods
 (``grpc_service.SlotServeGrpcMixin``), its HTTP proxy the FastAPI app built at replica
 start (``__serve_build_asgi_app__``). Requests reach engine replicas over engine links
-(deployments.link), to the replica the slot-aware router picks; a DeploymentHandle of the
-EngineReplica deployment carries the rest (model info, loads, aborts, and an ingress's first
-requests before its router has heard from any replica).
+(deployments.link), to the replica the slot-aware router Serve runs in this process picks,
+which also gives the replicas' loads; a DeploymentHandle of the EngineReplica deployment
+carries the rest (model info, aborts, and an ingress's first requests before its router has
+heard from any replica).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 
 from ray import serve
@@ -27,43 +26,41 @@ from router import inflight
 logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "EngineReplica"
-LOAD_CALL_TIMEOUT_S = 5.0
 
 
 class HandleEngineClient:
-    """What goes through Serve: ``deployments.link.LinkTransport``'s ``serve``."""
+    """What goes through Serve (``deployments.link.LinkTransport``'s ``serve``), and what the router
+    Serve runs in this process knows (``router.inflight``)."""
 
-    def __init__(self, handle: DeploymentHandle, app_name: str, deployment_name: str = ENGINE_DEPLOYMENT) -> None:
+    def __init__(self, handle: DeploymentHandle, deployment: str) -> None:
         self._handle = handle
-        self._app_name = app_name
-        self._deployment_name = deployment_name
+        self._deployment = deployment  # "<app>#<name>"
+
+    def router(self) -> inflight.LinkRouter | None:
+        return inflight.find(self._deployment)
 
     async def model_info(self) -> dict:
         return await self._handle.model_info.remote()
 
     async def replica_loads(self) -> list[dict]:
-        """Routing stats of every replica, asked of each replica actor directly.
-
-        A handle call reaches one replica chosen by the router, so it cannot collect
-        them all; Serve names replica actors ``SERVE_REPLICA::<app>#<deployment>#<id>``
-        in the "serve" namespace, and their ``record_routing_stats`` calls ours.
-        """
-        actors = await asyncio.to_thread(self._replica_actors)  # GCS lookups block: keep them off the loop
-        return list(await asyncio.gather(*(self._replica_stats(rid, actor) for rid, actor in actors)))
+        """Every replica's routing stats, as this process's router last polled them."""
+        router = self.router()
+        if router is None:  # Serve makes the router at a handle's first call
+            await self.model_info()
+            router = self.router()
+        return router.replica_stats() if router is not None else []
 
     async def abort(self, request_id: str) -> bool:
-        """Asks every replica: one call each, pinned to it by the slot-aware router (with Serve's
-        default router the calls land where they may, so only some replicas are asked)."""
-        actors = await asyncio.to_thread(self._replica_actors)
+        """Asks every replica: one call each, pinned to it by the slot-aware router."""
         # One at a time: handle calls made while serving one request share its internal request id,
         # and Serve's router (2.60) indexes pending calls by it, so a second concurrent call is
         # never matched to the replica chosen for it and hangs.
-        for rid, _ in actors:
+        for stats in await self.replica_loads():
             try:
-                if await self._handle.abort.remote({"request_id": request_id, "replica_id": rid}) is True:
+                if await self.abort_on(request_id, stats["replica_id"]) is True:
                     return True
             except Exception as exc:  # noqa: BLE001 - a replica going away: ask the others
-                logger.info("abort on replica %s failed: %s", rid, exc)
+                logger.info("abort on replica %s failed: %s", stats["replica_id"], exc)
         return False
 
     async def submit_linked(self, request: dict) -> tuple[str, str]:
@@ -72,28 +69,14 @@ class HandleEngineClient:
     async def abort_on(self, request_id: str, replica_id: str) -> bool:
         return await self._handle.abort.remote({"request_id": request_id, "replica_id": replica_id})
 
-    def _replica_actors(self) -> list[tuple[str, object]]:
-        import ray
+    def choose(self, request: dict, avoid: frozenset) -> tuple[str, str] | None:
+        router = self.router()
+        return router.choose_for_link(request, avoid) if router is not None else None
 
-        prefix = f"SERVE_REPLICA::{self._app_name}#{self._deployment_name}#"
-        actors = []
-        for entry in sorted(ray.util.list_named_actors(all_namespaces=True), key=lambda a: a["name"]):
-            if entry.get("namespace") != "serve" or not entry["name"].startswith(prefix):
-                continue
-            try:
-                actors.append((entry["name"][len(prefix):], ray.get_actor(entry["name"], namespace="serve")))
-            except ValueError:  # gone between listing and lookup
-                continue
-        return actors
-
-    async def _replica_stats(self, replica_id: str, actor) -> dict:
-        try:
-            async with asyncio.timeout(LOAD_CALL_TIMEOUT_S):
-                stats = await actor.record_routing_stats.remote()
-        except Exception as exc:  # starting, stopping or dead: report it, unhealthy
-            logger.info("load of replica %s unavailable: %s", replica_id, exc)
-            return {"replica_id": replica_id, "healthy": False}
-        return stats or {"replica_id": replica_id, "healthy": False}
+    def request_finished(self, request_id: str) -> None:
+        router = self.router()
+        if router is not None:
+            router.request_finished(request_id)
 
 
 @serve.ingress()
@@ -105,11 +88,10 @@ class RouterIngress(SlotServeGrpcMixin):
         from engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(resolve_model(frontend_config.model))
-        app_name = serve.get_replica_context().app_name
-        choose = functools.partial(inflight.choose, f"{app_name}#{ENGINE_DEPLOYMENT}")
-        transport = LinkTransport(HandleEngineClient(engine, app_name), link_token, choose, tls=link_tls)
+        serve_side = HandleEngineClient(engine, f"{serve.get_replica_context().app_name}#{ENGINE_DEPLOYMENT}")
+        transport = LinkTransport(serve_side, link_token, serve_side.choose, tls=link_tls)
         self.frontend = Frontend(frontend_config, tokenizer,
-                                 MuxEngineClient(transport, on_done=inflight.request_finished))
+                                 MuxEngineClient(transport, on_done=serve_side.request_finished))
         self._max_body_bytes = max_body_bytes
 
     def __serve_build_asgi_app__(self):

@@ -3,7 +3,7 @@
 A Serve call per request and a Serve streaming message per engine step would cost a few
 milliseconds of time to first token and most of a millisecond of CPU per message on both
 sides (docs/BENCHMARKS.md). Instead the ingress picks the replica with the slot-aware router
-(``router.inflight.choose``, which reads the router Serve keeps up to date in its process),
+(found through ``router.inflight``: the router Serve keeps up to date in its process),
 then writes the request on its connection to that replica, which answers on the same
 connection with one frame per engine step (``deployments.mux``). Serve still builds, scales,
 health-checks and drains the replicas, and carries what is not per request (``model_info``,

@@ -1,50 +1,39 @@
-"""Requests an ingress has submitted and seen finish, for the routers of its process; and
-those routers, for the ingress's engine links (deployments.link), which route without a Serve call.
+"""How an ingress finds the slot-aware router Serve runs in its own process.
 
-With deployments.mux a submit call ends as soon as its request starts, so the router cannot
-tell from Serve's callbacks when the request stops taking a slot; the ingress says so here.
-A module of its own on purpose: Serve ships the router class to each process pickled by
-value (with a private copy of its module's globals), while this module is imported by
-reference, so the ingress and the routers in its process share it.
+The ingress routes each request itself and sends it over an engine link (deployments.link): a
+Serve call per request would cost milliseconds of time to first token. It routes with the
+router Serve keeps up to date in the same process (replicas, their polled routing stats), which
+registers itself here once it knows its replicas. A module of its own because Serve ships the
+router class pickled by value, with a private copy of its own module; this one is imported by
+reference, so the router and the ingress of a process meet in it. It holds that one table.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Callable
-
-KEPT = 4096
-"""Newest ids kept: a router forgets a request once its replica's stats include it anyway."""
-
-# Written by the ingress's event loop, read by the router's: single OrderedDict calls are atomic.
-_finished: "OrderedDict[str, None]" = OrderedDict()
+from typing import Protocol
 
 
-def request_finished(request_id: str) -> None:
-    """A submitted request's stream ended here: it takes no slot any more."""
-    _finished[request_id] = None
-    while len(_finished) > KEPT:
-        _finished.popitem(last=False)
+class LinkRouter(Protocol):
+    """What the ingress asks of ``router.request_router.SlotAwareRequestRouter``."""
+
+    def choose_for_link(self, request: dict, avoid: frozenset = frozenset()) -> "tuple[str, str] | None":
+        """``(replica_id, link address)`` for ``request``, not one in ``avoid``; counted as sent."""
+
+    def request_finished(self, request_id: str) -> None:
+        """A request sent with ``choose_for_link`` ended: it takes no slot any more."""
+
+    def replica_stats(self) -> list[dict]:
+        """The routing stats of every running replica, as last polled (``healthy: False`` when none yet)."""
 
 
-def take_finished(request_id: str) -> bool:
-    """Whether ``request_id`` finished (then forgotten here)."""
-    return _finished.pop(request_id, False) is None
+_routers: dict[str, LinkRouter] = {}
 
 
-# The slot-aware router of each engine deployment in this process, for engine links
-# (deployments.link): they route on the same loads and counts as Serve's calls do.
-Chooser = Callable[[dict, frozenset], "tuple[str, str] | None"]
-_choosers: dict[str, Chooser] = {}
+def offer(deployment: str, router: LinkRouter) -> None:
+    """Called by the router of ``deployment`` ("<app>#<name>") whenever Serve updates its replicas."""
+    _routers[deployment] = router
 
 
-def offer_chooser(deployment: str, choose: Chooser) -> None:
-    """Called by the router of ``deployment`` ("<app>#<name>") once it knows its replicas."""
-    _choosers[deployment] = choose
-
-
-def choose(deployment: str, request: dict, avoid: frozenset = frozenset()) -> "tuple[str, str] | None":
-    """``(replica_id, link address)`` for ``request``, not one of the replica ids in ``avoid``; None:
-    no router here yet, or no such replica with a link (the caller goes through Serve)."""
-    chooser = _choosers.get(deployment)
-    return chooser(request, avoid) if chooser is not None else None
+def find(deployment: str) -> LinkRouter | None:
+    """This process's router of ``deployment``; None until Serve made one (a first handle call does)."""
+    return _routers.get(deployment)

@@ -20,7 +20,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.kv.hashing import prefix_routing_keys
-from router.inflight import offer_chooser, take_finished
+from router import inflight
 from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ROUTING_REASONS, Ranking, ReplicaLoad, RouterSettings,
                            rank_replicas)
 
@@ -189,6 +189,27 @@ class SlotAwareRequestRouter(RequestRouter):
             self._count_sent(request["request_id"], best)
         return best.unique_id, next(r for r in linked if r.replica_id == best).routing_stats["link"]
 
+    def request_finished(self, request_id: str) -> None:
+        """A linked request's stream ended in the ingress: it takes no slot any more."""
+        with self._lock:
+            for sent in self._sent.values():
+                sent.pop(request_id, None)
+
+    def replica_stats(self) -> list[dict]:
+        """Every running replica's routing stats as last polled: the ingress's loads (admission,
+        GetLoad, readiness) without a call of its own."""
+        with self._lock:
+            live = list(self._live)
+        stale = time.time() - self._settings.stale_after_s
+        out = []
+        for replica in live:
+            stats = replica.routing_stats if isinstance(replica.routing_stats, Mapping) else {}
+            updated = stats.get("updated_at")
+            fresh = isinstance(updated, (int, float)) and updated > stale  # gone quiet: not counted as serving
+            out.append({**stats, "replica_id": replica.replica_id.unique_id,
+                        "healthy": bool(stats.get("healthy")) and fresh})
+        return out
+
     def _record_decision(self, reason: str) -> None:
         # One per routing attempt: a request Serve re-routes (all ranks refused) counts again.
         if self._decisions is not None:
@@ -205,7 +226,7 @@ class SlotAwareRequestRouter(RequestRouter):
     def _sent_key(pending_request: PendingRequest) -> str:
         if getattr(pending_request.metadata, "call_method", None) == "submit_linked":
             # A linked submit (deployments.link) returns at once while its request runs on: counted
-            # until its stream ends here (router.inflight) or the replica's stats include it.
+            # until its stream ends in the ingress (request_finished) or the replica's stats include it.
             return _request_dict(pending_request).get("request_id", pending_request.metadata.internal_request_id)
         return pending_request.metadata.internal_request_id
 
@@ -231,7 +252,7 @@ class SlotAwareRequestRouter(RequestRouter):
                 for rid in [rid for rid in table if rid not in live]:
                     del table[rid]
         deployment = self._deployment_id
-        offer_chooser(f"{deployment.app_name}#{deployment.name}", self.choose_for_link)
+        inflight.offer(f"{deployment.app_name}#{deployment.name}", self)
 
     def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats
@@ -249,7 +270,7 @@ class SlotAwareRequestRouter(RequestRouter):
         # in no load at all; forget those. The grace covers the trip to the replica, during which
         # a request is in no stats.
         for request_id in [k for k, t in sent.items()
-                           if t <= load.updated_at - _TRANSIT_GRACE_S or take_finished(k)]:
+                           if t <= load.updated_at - _TRANSIT_GRACE_S]:
             del sent[request_id]
         return load.with_extra_running(len(sent))
 

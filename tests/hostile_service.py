@@ -21,6 +21,7 @@ import httpx2
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
 from tests.ray_cluster import served_app
+from tests.waits import fresh_replicas
 
 ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_waiting": 16, "block_size": 16,
           "num_kv_blocks": 128, "max_model_len": 512}
@@ -88,7 +89,7 @@ class Service:
         return self.http.post(path, json=body if content is None else None, content=content, headers=headers)
 
     def replicas(self) -> list[pb.ReplicaLoad]:
-        return list(self.stub.GetLoad(pb.GetLoadRequest(), timeout=10, metadata=self.auth()).replicas)
+        return fresh_replicas(lambda: self.stub.GetLoad(pb.GetLoadRequest(), timeout=10, metadata=self.auth()).replicas)
 
     def openai(self, key: str = KEYS[0]):
         import openai

@@ -141,8 +141,6 @@ def test_submitted_requests_count_until_their_streams_end():
     """deployments.link: a linked submit ends at once; its request is load until the ingress's stream ends."""
     from types import SimpleNamespace
 
-    from router.inflight import request_finished
-
     router = _router()
     replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=_stats(0, updated_at=time.time() - 0.1))
                 for i in range(2)]
@@ -153,7 +151,7 @@ def test_submitted_requests_count_until_their_streams_end():
         router.on_request_completed(ranks[0][0], f"call{i}")  # the submit call returned
     assert [router._load_of(r).running for r in replicas] == [2, 2]
     for i in range(4):
-        request_finished(f"mux-{i}")
+        router.request_finished(f"mux-{i}")
     assert [router._load_of(r).running for r in replicas] == [0, 0]
 
 
@@ -177,7 +175,7 @@ def test_calls_without_a_prompt_take_no_slot():
 
 
 def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
-    """deployments.link: the ingress asks this process's router (router.inflight.choose) directly."""
+    """deployments.link: the ingress finds this process's router (router.inflight) and asks it directly."""
     import asyncio
     from types import SimpleNamespace
 
@@ -196,24 +194,32 @@ def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
     replicas = [replica("cached", _stats(8, prefix_routing_keys(PROMPT, BS), stale), {"link": "10.0.0.1:4000"}),
                 replica("idle", _stats(0, updated_at=stale), {"link": "10.0.0.2:4000"}),
                 replica("no-link", _stats(0, updated_at=stale), {})]  # not serving links (yet)
-    inflight._choosers.pop("app#engine", None)
-    assert inflight.choose("app#engine", {"request_id": "x", "prompt_token_ids": PROMPT}) is None  # no router yet
+    inflight._routers.pop("app#engine", None)
+    assert inflight.find("app#engine") is None  # no router until Serve updates its replicas
+
     async def update():  # as Serve does, on its router loop (which also starts probing them)
         router.update_replicas(replicas)
 
     asyncio.run(update())
+    found = inflight.find("app#engine")
+    assert found is router
     request = {"request_id": "l0", "prompt_token_ids": PROMPT}
-    assert inflight.choose("app#engine", request) == ("cached", "10.0.0.1:4000")
+    assert found.choose_for_link(request) == ("cached", "10.0.0.1:4000")
     assert request["routing"]["reason"] == "prefix"  # noted for the replica's trace, as Serve's calls are
     # A burst without a shared prefix spreads over the linked replicas, counting its own sends.
-    chosen = [inflight.choose("app#engine", {"request_id": f"l{i}", "prompt_token_ids": OTHER_PROMPT})[0]
+    chosen = [found.choose_for_link({"request_id": f"l{i}", "prompt_token_ids": OTHER_PROMPT})[0]
               for i in range(1, 17)]
     assert chosen.count("idle") == 12 and chosen.count("cached") == 4  # 8 + 4 = 0 + 12
     # A replica the ingress could not reach is passed over; none left: Serve's way.
-    assert inflight.choose("app#engine", {"request_id": "y", "prompt_token_ids": PROMPT},
-                           avoid=frozenset({"cached"}))[0] == "idle"
-    assert inflight.choose("app#engine", {"request_id": "z", "prompt_token_ids": PROMPT},
-                           avoid=frozenset({"cached", "idle"})) is None
+    assert found.choose_for_link({"request_id": "y", "prompt_token_ids": PROMPT},
+                                 avoid=frozenset({"cached"}))[0] == "idle"
+    assert found.choose_for_link({"request_id": "z", "prompt_token_ids": PROMPT},
+                                 avoid=frozenset({"cached", "idle"})) is None
+    # The ingress's loads are the stats the router polled: a quiet or stat-less replica is not healthy.
+    replicas[1].routing_stats["updated_at"] = time.time() - 60
+    stats = {s["replica_id"]: s for s in found.replica_stats()}
+    assert [stats[r]["healthy"] for r in ("cached", "idle", "no-link")] == [True, False, True]
+    assert stats["cached"]["link"] == "10.0.0.1:4000" and stats["cached"]["running"] == 8
 
 
 @pytest.mark.parametrize("args", [[], [None], ["text"], [{"prompt": "x"}], [{"prompt_token_ids": "abc"}]])

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
 from tests.ray_cluster import served_app
+from tests.waits import fresh_replicas
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -38,7 +39,7 @@ class Service:
         return list(self.stub.Generate(pb.GenerateRequest(**fields), timeout=timeout))
 
     def replicas(self) -> list[pb.ReplicaLoad]:
-        return list(self.stub.GetLoad(pb.GetLoadRequest(), timeout=10).replicas)
+        return fresh_replicas(lambda: self.stub.GetLoad(pb.GetLoadRequest(), timeout=10).replicas)
 
     def wait_idle(self, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s

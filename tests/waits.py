@@ -34,3 +34,15 @@ async def async_wait_until(condition: Callable[[], object], what: str, timeout_s
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s} s")
         await asyncio.sleep(POLL_S)
+
+
+def fresh_replicas(get_load: Callable[[], list], timeout_s: float = 10.0) -> list:
+    """The replicas ``get_load()`` lists, once every one reported after this call: the ingress
+    answers GetLoad from the routing stats its router polls (``routing_stats_period_s``)."""
+    since = time.time()
+
+    def fresh():
+        replicas = list(get_load())
+        return replicas if replicas and all(r.updated_at > since for r in replicas) else None
+
+    return wait_until(fresh, "a load report from every replica", timeout_s, poll_s=0.1)
