@@ -177,6 +177,8 @@ class LinkServer:
     async def _forward(self, ingress_id: str, writer: asyncio.StreamWriter, started: dict[str, float]) -> None:
         async with contextlib.aclosing(self._hub.subscribe(ingress_id)) as batches:
             async for batch in batches:
+                if writer.is_closing():  # the ingress went away: the reader ends this link
+                    return
                 if len(batch) > MAX_BACKLOG_ITEMS:
                     logger.warning("ingress %s left %d outputs unread: closing its link", ingress_id, len(batch))
                     return

@@ -9,6 +9,7 @@ sees one uninterrupted stream equal to the offline LLM's output.
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -47,6 +48,7 @@ class Stream(threading.Thread):
         self.tokens: list[int] = []
         self.finish = self.error = None
         self.completion_tokens = 0
+        self.ended_at = 0.0  # time.monotonic()
 
     def run(self) -> None:
         request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=_prompt(self.i)), sampling=pb.SamplingOptions(
@@ -59,6 +61,8 @@ class Stream(threading.Thread):
                     self.completion_tokens = message.usage.completion_tokens
         except grpc.RpcError as exc:
             self.error = f"{exc.code().name}: {exc.details()}"
+        finally:
+            self.ended_at = time.monotonic()
 
 
 def _kill_one_busy_replica(stub) -> str:
