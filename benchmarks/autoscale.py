@@ -290,7 +290,7 @@ def plot(results: dict, path: Path) -> None:
 
 def run(args) -> dict:
     from benchmarks.report import environment, load_average
-    from deployments.app_config import AppConfig
+    from deployments.app import AppConfig
 
     app, label = app_args(args)
     cfg = AppConfig.from_args(app)  # bad args fail here, before Ray starts

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from deployments.app_config import AppConfig
+from deployments.app import AppConfig
 
 
 def fit_cpu_engines(args: Mapping[str, Any], cores: int) -> tuple[dict[str, Any], str | None]:

@@ -62,7 +62,7 @@ def test_serve_config_builds_in_the_app(name, rendered):
     from ray.serve.schema import ServeDeploySchema
 
     from deployments.app import build_app
-    from deployments.app_config import AppConfig
+    from deployments.app import AppConfig
     from deployments.grpc_registration import SERVICER_FUNCTIONS
 
     config = serve_config(the(documents(rendered[name]), "RayService"))
@@ -233,7 +233,7 @@ def test_serve_service_ports(name, rendered):
 
 
 def test_extra_app_args_reach_the_app(chart):
-    from deployments.app_config import AppConfig
+    from deployments.app import AppConfig
 
     rs = the(documents(render(chart, {"extraAppArgs": {"max_body_bytes": 1048576}})), "RayService")
     args = serve_config(rs)["applications"][0]["args"]

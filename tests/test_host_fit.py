@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.app_config import AppConfig
+from deployments.app import AppConfig
 from deployments.host_fit import fit_cpu_engines
 
 AUTOSCALED = {"model": "m", "engine": {"max_num_seqs": 16},

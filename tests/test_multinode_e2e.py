@@ -164,7 +164,7 @@ def test_tensor_parallel_ranks_never_span_nodes(nodes, tiny_model_dir):
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     from deployments.app import engine_deployment_options
-    from deployments.app_config import AppConfig
+    from deployments.app import AppConfig
 
     cluster = nodes[0]
     cfg = AppConfig.from_args({"model": str(tiny_model_dir), "engine": {"tensor_parallel_size": 2},

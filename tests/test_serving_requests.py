@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.app_config import AppConfig
+from deployments.app import AppConfig
 from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
                                 Unavailable, to_serving_error)
 from deployments.grpc_service import delta_to_proto, generate_input, parse

@@ -89,7 +89,7 @@ def test_sampling_errors_keep_their_location():
 
 
 def test_secret_values_are_never_shown():
-    from deployments.app_config import AppConfig
+    from deployments.app import AppConfig
 
     with pytest.raises(ValueError) as info:
         AppConfig.from_args({"api_keys": ["hunter2"]})

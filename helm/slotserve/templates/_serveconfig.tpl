@@ -1,6 +1,6 @@
 {{/*
 The Serve config (RayService spec.serveConfigV2), in the shape of configs/*.yaml. Only
-fields that deployments/app_config.py accepts go into the app's args; tests/test_helm.py
+fields that deployments/app.py accepts go into the app's args; tests/test_helm.py
 builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySchema.
 */}}
 {{- define "slotserve.appArgs" -}}
