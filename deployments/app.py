@@ -222,8 +222,8 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_USE_G
   thread), and the hand-off between the two loops costs CPU on every streamed message.
 - ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``: the proxy and deployment handles reach replicas over
   Serve's gRPC data plane instead of Ray actor calls (one of Serve's throughput-optimized
-  settings): a streamed message no longer goes through Ray's object-returning generator
-  machinery, which cost the proxy and the ingress 30-50 % of their CPU per token.
+  settings): a streamed message then skips Ray's object-returning generator machinery, which
+  costs the proxy and the ingress a large share of their CPU per token (docs/BENCHMARKS.md).
 - ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=8 MiB``: what the gRPC servers in front of the ingress (Serve's
   proxy, or the ingress replica's own in HAProxy mode) accept, as ``max_body_bytes`` bounds HTTP
   bodies; Ray's default is 2 GiB. A larger message fails with RESOURCE_EXHAUSTED before it is read.
@@ -231,8 +231,8 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_USE_G
   whose AST constructor keeps its recursion count per interpreter, not per thread: two threads
   formatting a traceback at once (Serve logs a request's error while its gRPC data plane
   serializes it) can fail with "SystemError: AST constructor recursion depth mismatch", which
-  then replaces the request's own error (a deadline came back as INTERNAL). Without column
-  tables tracebacks have no markers and never parse.
+  then replaces the request's own error (a deadline would come back as INTERNAL). Without
+  column tables tracebacks have no markers and never parse.
 
 Set for the whole cluster, not per deployment: a runtime_env would cost every replica start a
 few seconds."""

@@ -47,8 +47,8 @@ def free_port(attempts: int = 200) -> int:
     """A port free on every interface now, from ``FREE_PORT_RANGE``, for a server started later.
 
     Not the kernel's pick (a bind to port 0): that comes from the ephemeral range, where the
-    processes ``ray.init`` starts take ports too, and one of them took a gRPC proxy's port
-    between the pick and the bind (a CI failure: "Failed to bind to address [::]:46165")."""
+    processes ``ray.init`` starts take ports too, so one of them can take the port between the
+    pick and the bind."""
     low, high = FREE_PORT_RANGE
     pick = random.SystemRandom()  # not the global generator, which tests seed
     for _ in range(attempts):

@@ -44,7 +44,7 @@ __all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTls", "LinkTransport", "check_to
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("ray.serve")
 """One line per linked request as it ends (``LINK <request id> OK|ERROR|CANCELLED <ms>ms``), in the
-replica's Serve log beside Serve's own ``CALL`` lines, which linked requests no longer make."""
+replica's Serve log beside Serve's own ``CALL`` lines, which linked requests do not make."""
 
 HELLO_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0

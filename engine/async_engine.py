@@ -81,9 +81,8 @@ class AsyncEngine:
 
         The engine is built on the loop thread that steps it, so every torch op runs on one
         thread: a second thread that has run a parallel op keeps a second OpenMP team, and with
-        more OpenMP threads than cores libgomp stops spin-waiting between parallel regions
-        (on 2 cores the default model ran at 0.69x of the same engine stepped directly;
-        docs/BENCHMARKS.md)."""
+        more OpenMP threads than cores libgomp stops spin-waiting between parallel regions,
+        which slows every op (docs/BENCHMARKS.md)."""
         self.config = config
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()

@@ -62,11 +62,15 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.scale = head_dim ** -0.5
 
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's K (and V) cache: ``[num_blocks, block_size, kv_heads, head_dim]``, FlashAttention's
+        paged layout (backends with another layout override this and ``write_kv``)."""
+        return num_blocks, self.block_size, self.num_kv_heads, self.head_dim
+
     def allocate_cache(self, num_blocks: int, dtype: torch.dtype,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V cache tensors for one layer: ``[num_blocks, block_size, kv_heads, head_dim]``,
-        FlashAttention's paged layout (backends with another layout override this and ``write_kv``)."""
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """K and V cache tensors for one layer (``cache_shape``)."""
+        shape = self.cache_shape(num_blocks)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

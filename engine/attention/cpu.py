@@ -94,9 +94,8 @@ class CpuAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self._kernel = kernel if kernel is not None else load_kernel()
 
-    def allocate_cache(self, num_blocks, dtype, device):
-        shape = (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    def cache_shape(self, num_blocks):
+        return num_blocks, self.num_kv_heads, self.block_size, self.head_dim
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._slots = meta.slot_mapping // self.block_size, meta.slot_mapping % self.block_size

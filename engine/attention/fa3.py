@@ -10,8 +10,6 @@ from flash-attention's ``hopper/`` folder and runs on compute capability 9.x.
 
 from __future__ import annotations
 
-import torch
-
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 

@@ -52,9 +52,8 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         self._groups = plan_decode_groups(meta.kv_lens[:meta.num_decodes])
 
-    def allocate_cache(self, num_blocks, dtype, device):
-        shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    def cache_shape(self, num_blocks):
+        return self.num_kv_heads, num_blocks * self.block_size, self.head_dim
 
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         for cache, new in zip(kv_cache, (k, v)):
