@@ -21,8 +21,8 @@ from deployments.errors import (BadRequest, DeadlineExceeded, ModelNotFound, Ove
                                 ServingError, Unavailable, to_serving_error, unwrap)
 from deployments.metrics import IngressMetrics
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
-                                  check_messages_length, check_text, check_vocab, effective_timeout, new_request_id,
-                                  parse_messages)
+                                  check_logit_bias, check_messages_length, check_text, check_vocab, effective_timeout,
+                                  new_request_id, parse_messages)
 from deployments.textstream import TextAssembler, TextDelta
 from deployments.tracing import Tracing
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -186,6 +186,7 @@ class Frontend:
                              param="prompt")
         params = build_sampling_params(inp.sampling, num_prompt_tokens=len(ids), max_model_len=info["max_model_len"],
                                        default_max_tokens=inp.default_max_tokens or self.config.default_max_tokens)
+        check_logit_bias(params, info["vocab_size"])
         return PreparedRequest(request_id=new_request_id(), prompt_token_ids=tuple(ids), params=params,
                                priority=inp.priority,
                                timeout_s=effective_timeout(inp.timeout_s, self.config.request_timeout_s),

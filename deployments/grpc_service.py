@@ -69,6 +69,8 @@ def generate_input(msg: pb.GenerateRequest) -> GenerateInput:
         sampling["include_stop_str_in_output"] = True
     if s.ignore_eos:
         sampling["ignore_eos"] = True
+    if s.logit_bias:
+        sampling["logit_bias"] = dict(s.logit_bias)
     which = msg.WhichOneof("input")
     return GenerateInput(
         prompt=msg.prompt if which == "prompt" else None,

@@ -4,8 +4,8 @@ The request bodies are pydantic models: every error is a ``BadRequest`` naming t
 field as OpenAI's ``param`` (``messages.0.role``). vLLM's extra sampling fields (top_k,
 min_p, repetition_penalty, seed, ignore_eos, min_tokens, stop_token_ids, priority, ...)
 are accepted next to OpenAI's and checked by ``SamplingParams``; fields that would
-change the meaning of a request but are not served (n > 1, logit_bias, tools, echo,
-...) are refused by name instead of being silently ignored.
+change the meaning of a request but are not served (n > 1, tools, echo, ...) are refused
+by name instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from engine.validation import Bool, field_errors
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
-                "include_stop_str_in_output")
+                "include_stop_str_in_output", "logit_bias")
 _REFUSED = {  # field: (the values served, why others are not)
     "n": ((None, 1), "one completion per request"),
-    "logit_bias": ((None, {}), "logit_bias is not implemented"),
     "echo": ((None, False), "the prompt is not echoed back"),
     "best_of": ((None, 1), "one candidate per request"),
     "suffix": ((None, ""), "insertion (suffix) is not supported"),

@@ -142,11 +142,17 @@ def check_messages_length(messages: Sequence[ChatMessage], max_chars: int) -> No
         raise BadRequest(f"messages have {total} characters in all; the limit is {max_chars}", param="messages")
 
 
-def check_vocab(token_ids: Sequence[int], vocab_size: int) -> None:
+def check_vocab(token_ids: Sequence[int], vocab_size: int, field: str = "prompt_token_ids") -> None:
     for i, t in enumerate(token_ids):
         if t >= vocab_size:
-            raise BadRequest(f"prompt_token_ids.{i} must be a token id in [0, {vocab_size}), got {t}",
-                             param=f"prompt_token_ids.{i}")
+            raise BadRequest(f"{field}.{i} must be a token id in [0, {vocab_size}), got {t}", param=f"{field}.{i}")
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    for t in params.logit_bias or ():
+        if t >= vocab_size:
+            raise BadRequest(f"logit_bias.{t}: {t} is not a token id of this model (its vocabulary is "
+                             f"[0, {vocab_size}))", param=f"logit_bias.{t}")
 
 
 def effective_timeout(timeout_s: float | None, server_limit: float | None) -> float | None:

@@ -120,6 +120,8 @@ class LLMEngine:
         if not prompt:
             raise InvalidRequestError("prompt_token_ids must not be empty")
         self._check_ids("prompt_token_ids", prompt)
+        if params.logit_bias:
+            self._check_ids("logit_bias keys", list(params.logit_bias))
         if len(prompt) >= self.max_total_tokens:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens; at most {self.max_total_tokens - 1} fit "

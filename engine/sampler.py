@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, min-p, greedy, logprobs.
+"""Batched sampling: logit bias, penalties, temperature, top-k, top-p, min-p, greedy, logprobs.
 
 Everything is a tensor op over the batch; per-request Python happens only to build the
 parameter tensors. Random draws are batch-invariant: request ``r`` drawing its ``p``-th output
@@ -58,6 +58,7 @@ class SamplingBatch:
     any_min_p: bool
     any_penalty: bool
     any_min_tokens: bool
+    any_logit_bias: bool
     max_logprobs: int | None
 
     @classmethod
@@ -91,6 +92,7 @@ class SamplingBatch:
             any_min_p=any(p > 0.0 for p in min_p),
             any_penalty=any(p.uses_penalties for p in ps),
             any_min_tokens=any(r.num_output_tokens < r.params.min_tokens for r in requests),
+            any_logit_bias=any(p.logit_bias for p in ps),
             max_logprobs=max(lp) if lp else None,
         )
 
@@ -98,6 +100,8 @@ class SamplingBatch:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[dict[int, float] | None]]:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        if batch.any_logit_bias:
+            logits = apply_logit_bias(logits, batch.requests)
         if batch.any_penalty:
             logits = apply_penalties(logits, batch.requests)
         if batch.any_min_tokens:
@@ -165,6 +169,21 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     penalised = torch.where(logits > 0, logits / rep.unsqueeze(1), logits * rep.unsqueeze(1))
     logits = torch.where(seen, penalised, logits)
     logits -= freq.unsqueeze(1) * out_counts + pres.unsqueeze(1) * (out_counts > 0).float()
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Each request's ``logit_bias`` added to its row (ids were checked against the vocabulary)."""
+    rows, cols, values = [], [], []
+    for i, r in enumerate(requests):
+        for token_id, bias in (r.params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token_id)
+            values.append(bias)
+    dev = logits.device
+    logits = logits.clone()
+    logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                      torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
     return logits
 
 

@@ -13,6 +13,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_INT64 = 2**63 - 1
 MAX_SEED = MAX_INT64
 
@@ -48,6 +50,20 @@ class SamplingParams:
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     seed: Int | None = Field(None, ge=0, le=MAX_SEED)
     skip_special_tokens: Bool = True
+    logit_bias: dict[Annotated[Int, Field(ge=0, le=MAX_INT64)],
+                     Annotated[Float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
+    """Token id -> a bias added to its logit before sampling, -100 to 100 as OpenAI's (-100 bans the
+    token, 100 all but forces it). The engine checks the ids against the model's vocabulary."""
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        # JSON object keys are strings: OpenAI clients send {"50256": -100}.
+        if isinstance(value, dict):
+            return {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 18 else k: v
+                    for k, v in value.items()}
+        return value
 
     @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod

@@ -61,8 +61,12 @@ def field_errors(exc: ValidationError, model: type | None = None) -> list[FieldE
 
 def _field_error(err: dict, model: type | None) -> FieldError:
     loc = tuple(err["loc"])
+    key = loc[-1:] == ("[key]",)  # a mapping's key, not its value (pydantic's own marker)
+    loc = loc[:-1] if key else loc
     param = ".".join(str(part) for part in loc) or None
     kind, msg = err["type"], err["msg"]
+    if key:
+        msg = "key " + _SHOULD.sub("must ", msg)
     fields, info, hidden = _lookup(model, loc)
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         allowed = f"; allowed: {', '.join(fields)}" if fields else ""
@@ -91,7 +95,7 @@ def _field_error(err: dict, model: type | None) -> FieldError:
         msg = _SHOULD.sub("must ", msg)
     if param is None:
         return FieldError(None, msg)
-    text = f"{param} {msg}" if msg.startswith(("must ", "is ", "has ")) else f"{param}: {msg}"
+    text = f"{param} {msg}" if msg.startswith(("must ", "is ", "has ", "key ")) else f"{param}: {msg}"
     if not hidden and "input" in err and shown is not None and ", got " not in msg:
         text += f", got {shown if len(shown) <= _MAX_INPUT_CHARS else shown[:_MAX_INPUT_CHARS] + '...'}"
     return FieldError(param, text)

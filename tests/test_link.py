@@ -205,14 +205,17 @@ def test_a_forwarder_cancelled_as_its_drain_finishes_ends():
     """A replica's shutdown cancels its links' forwarders, often while they drain the last
     outputs. ``asyncio.wait_for`` around that drain (Python 3.11) returned the drain's result
     instead of raising when the cancellation came as the drain finished: the forwarder went
-    on waiting for outputs and ``LinkServer.close()`` never returned (the likely cause of a
-    replica that never finished its shutdown, in CI). The writer here cancels the forwarder from inside ``drain()``,
-    which is that moment, every time."""
+    on waiting for outputs and ``LinkServer.close()`` never returned, so the replica never
+    finished its shutdown. The writer here cancels the forwarder from inside ``drain()``, which
+    is that moment, every time."""
     class Writer:
         forwarder: asyncio.Task
 
         def write(self, data: bytes) -> None:
             pass
+
+        def is_closing(self) -> bool:
+            return False
 
         async def drain(self) -> None:
             self.forwarder.cancel()

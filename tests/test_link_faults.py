@@ -186,6 +186,9 @@ def test_a_stalled_ingress_has_its_link_closed_and_its_requests_aborted(monkeypa
         def write(self, data: bytes) -> None:
             self.written += len(data)
 
+        def is_closing(self) -> bool:
+            return False
+
         async def drain(self) -> None:
             await asyncio.Event().wait()
 
@@ -228,6 +231,9 @@ def test_a_backlog_beyond_the_bound_closes_the_link_and_a_large_one_goes_in_seve
 
             def write(self, data):
                 Writer.written += len(data)
+
+            def is_closing(self):
+                return False
 
         await asyncio.wait_for(LinkServer(rep, hub, token)._forward("behind", Writer(), {}), 5)
         assert Writer.written == 0  # closed without sending the backlog

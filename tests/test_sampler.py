@@ -125,3 +125,35 @@ def test_max_tokens_none_stops_at_context_length(tiny_model_dir):
     out = llm.generate(_prompts(1, seed=2), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_logit_bias_matches_hf_sequence_bias_in_a_mixed_batch(llm, tiny_model_dir):
+    """Greedy with ``logit_bias`` equals HF's ``generate(sequence_bias=...)``, each request its own bias,
+    in one batch with requests that have none; -100 bans a token the model would pick."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = _prompts(4, seed=21)
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    greedy = _tokens(llm, prompts, plain)
+    banned = greedy[0][0]
+    biases = [{banned: -100.0}, {t: 7.5 for t in greedy[1][:3]} | {5: -2.0}, None, {17: 100.0}]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias=b) for b in biases]
+    got = _tokens(llm, prompts, params)
+    for prompt, bias, tokens in zip(prompts, biases, got):
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        extra = {"sequence_bias": {(t,): v for t, v in bias.items()}} if bias else {}
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
+                               do_sample=False, pad_token_id=0, **extra)[0, ids.shape[1]:].tolist()
+        assert tokens == want, bias
+    assert got[2] == greedy[2]  # no bias: untouched by its neighbours'
+    assert banned not in got[0] and got[3] == [17] * 10
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_naming_it(llm):
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        llm.generate(_prompts(1), SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
+    assert llm.generate(_prompts(1), SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids

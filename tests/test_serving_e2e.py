@@ -116,6 +116,27 @@ def test_openai_client_matches_offline_llm(service, offline):
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_logit_bias_over_both_protocols_matches_the_offline_llm(service, tiny_model_dir):
+    """A ban on the greedy first token and a boost of another: the served tokens are the offline
+    engine's with the same bias, over gRPC and over the OpenAI SDK (string keys, as OpenAI's)."""
+    from engine import LLM, SamplingParams
+
+    greedy = [t for m in service.generate(prompt=PROMPTS[1], sampling=pb.SamplingOptions(
+        temperature=0, max_tokens=6, ignore_eos=True)) for t in m.token_ids]
+    bias = {greedy[0]: -100.0, greedy[2]: 4.0}
+    llm = LLM(str(tiny_model_dir), **ENGINE)
+    want = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                   logit_bias=bias))[0].outputs[0]
+    assert want.token_ids[0] != greedy[0]
+    out = service.generate(prompt=PROMPTS[1], sampling=pb.SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                          logit_bias=bias))
+    assert [t for m in out for t in m.token_ids] == list(want.token_ids)
+    done = service.openai().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                               logit_bias={str(t): v for t, v in bias.items()},
+                                               extra_body={"ignore_eos": True})
+    assert done.choices[0].text == want.text and done.usage.completion_tokens == 6
+
+
 def test_load_spreads_and_prefers_the_cached_prefix(service):
     before = {r.replica_id: r.num_finished for r in service.replicas()}
     assert len(before) == 2

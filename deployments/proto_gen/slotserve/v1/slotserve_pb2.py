@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cslotserve/v1/slotserve.proto\x12\x0cslotserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x08Messages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.slotserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xdf\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0f \x01(\x03H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x9b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.slotserve.v1.MessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x16.slotserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.slotserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x14\n\x0creturn_audit\x18\t \x01(\x08\x42\x07\n\x05input\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.slotserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xfb\x01\n\nAuditEvent\x12\x0e\n\x06time_s\x18\x01 \x01(\x01\x12\r\n\x05\x65vent\x18\x02 \x01(\t\x12\x14\n\x07waiting\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x07running\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05start\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x13\n\x06tokens\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rcached_tokens\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x13\n\x06reason\x18\x08 \x01(\tH\x05\x88\x01\x01\x42\n\n\x08_waitingB\n\n\x08_runningB\x08\n\x06_startB\t\n\x07_tokensB\x10\n\x0e_cached_tokensB\t\n\x07_reason\"\x90\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.slotserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.slotserve.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.slotserve.v1.TokenLogprob\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\'\n\x05\x61udit\x18\x08 \x03(\x0b\x32\x18.slotserve.v1.AuditEvent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"e\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x08messages\x18\x03 \x01(\x0b\x32\x16.slotserve.v1.MessagesH\x00\x42\x07\n\x05input\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"\x15\n\x13GetModelInfoRequest\"\xad\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x19\n\x11max_prompt_tokens\x18\x07 \x01(\x05\"\x10\n\x0eGetLoadRequest\"\xbc\x02\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05\x12\x12\n\nfree_slots\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\x05\x12\x16\n\x0eslot_occupancy\x18\t \x01(\x01\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x14\n\x0cnum_finished\x18\x0b \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\r \x01(\x03\x12\x12\n\nupdated_at\x18\x0e \x01(\x01\"\xa9\x01\n\nLoadReport\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.slotserve.v1.ReplicaLoad\x12\x13\n\x0btotal_slots\x18\x02 \x01(\x05\x12\x12\n\nfree_slots\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x11\n\toccupancy\x18\x06 \x01(\x01\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x02\n\tSlotServe\x12K\n\x08Generate\x12\x1d.slotserve.v1.GenerateRequest\x1a\x1e.slotserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.slotserve.v1.AbortRequest\x1a\x1b.slotserve.v1.AbortResponse\x12I\n\x08Tokenize\x12\x1d.slotserve.v1.TokenizeRequest\x1a\x1e.slotserve.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.slotserve.v1.GetModelInfoRequest\x1a\x17.slotserve.v1.ModelInfo\x12\x41\n\x07GetLoad\x12\x1c.slotserve.v1.GetLoadRequest\x1a\x18.slotserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cslotserve/v1/slotserve.proto\x12\x0cslotserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x08Messages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.slotserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xd3\x05\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0f \x01(\x03H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.slotserve.v1.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x9b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.slotserve.v1.MessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x16.slotserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.slotserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x14\n\x0creturn_audit\x18\t \x01(\x08\x42\x07\n\x05input\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.slotserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xfb\x01\n\nAuditEvent\x12\x0e\n\x06time_s\x18\x01 \x01(\x01\x12\r\n\x05\x65vent\x18\x02 \x01(\t\x12\x14\n\x07waiting\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x07running\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05start\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x13\n\x06tokens\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rcached_tokens\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x13\n\x06reason\x18\x08 \x01(\tH\x05\x88\x01\x01\x42\n\n\x08_waitingB\n\n\x08_runningB\x08\n\x06_startB\t\n\x07_tokensB\x10\n\x0e_cached_tokensB\t\n\x07_reason\"\x90\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.slotserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.slotserve.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.slotserve.v1.TokenLogprob\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\'\n\x05\x61udit\x18\x08 \x03(\x0b\x32\x18.slotserve.v1.AuditEvent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"e\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x08messages\x18\x03 \x01(\x0b\x32\x16.slotserve.v1.MessagesH\x00\x42\x07\n\x05input\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"\x15\n\x13GetModelInfoRequest\"\xad\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x19\n\x11max_prompt_tokens\x18\x07 \x01(\x05\"\x10\n\x0eGetLoadRequest\"\xbc\x02\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05\x12\x12\n\nfree_slots\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\x05\x12\x16\n\x0eslot_occupancy\x18\t \x01(\x01\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x14\n\x0cnum_finished\x18\x0b \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\r \x01(\x03\x12\x12\n\nupdated_at\x18\x0e \x01(\x01\"\xa9\x01\n\nLoadReport\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.slotserve.v1.ReplicaLoad\x12\x13\n\x0btotal_slots\x18\x02 \x01(\x05\x12\x12\n\nfree_slots\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x11\n\toccupancy\x18\x06 \x01(\x01\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf4\x02\n\tSlotServe\x12K\n\x08Generate\x12\x1d.slotserve.v1.GenerateRequest\x1a\x1e.slotserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.slotserve.v1.AbortRequest\x1a\x1b.slotserve.v1.AbortResponse\x12I\n\x08Tokenize\x12\x1d.slotserve.v1.TokenizeRequest\x1a\x1e.slotserve.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.slotserve.v1.GetModelInfoRequest\x1a\x17.slotserve.v1.ModelInfo\x12\x41\n\x07GetLoad\x12\x1c.slotserve.v1.GetLoadRequest\x1a\x18.slotserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deployments.proto_gen.slotserve.v1.slotserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2822
-  _globals['_FINISHREASON']._serialized_end=2942
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2938
+  _globals['_FINISHREASON']._serialized_end=3058
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_MESSAGES']._serialized_start=92
@@ -40,37 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=149
   _globals['_TOKENIDS']._serialized_end=172
   _globals['_SAMPLINGOPTIONS']._serialized_start=175
-  _globals['_SAMPLINGOPTIONS']._serialized_end=782
-  _globals['_GENERATEREQUEST']._serialized_start=785
-  _globals['_GENERATEREQUEST']._serialized_end=1068
-  _globals['_TOPLOGPROB']._serialized_start=1070
-  _globals['_TOPLOGPROB']._serialized_end=1132
-  _globals['_TOKENLOGPROB']._serialized_start=1134
-  _globals['_TOKENLOGPROB']._serialized_end=1246
-  _globals['_USAGE']._serialized_start=1248
-  _globals['_USAGE']._serialized_end=1335
-  _globals['_AUDITEVENT']._serialized_start=1338
-  _globals['_AUDITEVENT']._serialized_end=1589
-  _globals['_GENERATERESPONSE']._serialized_start=1592
-  _globals['_GENERATERESPONSE']._serialized_end=1864
-  _globals['_ABORTREQUEST']._serialized_start=1866
-  _globals['_ABORTREQUEST']._serialized_end=1900
-  _globals['_ABORTRESPONSE']._serialized_start=1902
-  _globals['_ABORTRESPONSE']._serialized_end=1932
-  _globals['_TOKENIZEREQUEST']._serialized_start=1934
-  _globals['_TOKENIZEREQUEST']._serialized_end=2035
-  _globals['_TOKENIZERESPONSE']._serialized_start=2037
-  _globals['_TOKENIZERESPONSE']._serialized_end=2112
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2114
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2135
-  _globals['_MODELINFO']._serialized_start=2138
-  _globals['_MODELINFO']._serialized_end=2311
-  _globals['_GETLOADREQUEST']._serialized_start=2313
-  _globals['_GETLOADREQUEST']._serialized_end=2329
-  _globals['_REPLICALOAD']._serialized_start=2332
-  _globals['_REPLICALOAD']._serialized_end=2648
-  _globals['_LOADREPORT']._serialized_start=2651
-  _globals['_LOADREPORT']._serialized_end=2820
-  _globals['_SLOTSERVE']._serialized_start=2945
-  _globals['_SLOTSERVE']._serialized_end=3317
+  _globals['_SAMPLINGOPTIONS']._serialized_end=898
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=662
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=710
+  _globals['_GENERATEREQUEST']._serialized_start=901
+  _globals['_GENERATEREQUEST']._serialized_end=1184
+  _globals['_TOPLOGPROB']._serialized_start=1186
+  _globals['_TOPLOGPROB']._serialized_end=1248
+  _globals['_TOKENLOGPROB']._serialized_start=1250
+  _globals['_TOKENLOGPROB']._serialized_end=1362
+  _globals['_USAGE']._serialized_start=1364
+  _globals['_USAGE']._serialized_end=1451
+  _globals['_AUDITEVENT']._serialized_start=1454
+  _globals['_AUDITEVENT']._serialized_end=1705
+  _globals['_GENERATERESPONSE']._serialized_start=1708
+  _globals['_GENERATERESPONSE']._serialized_end=1980
+  _globals['_ABORTREQUEST']._serialized_start=1982
+  _globals['_ABORTREQUEST']._serialized_end=2016
+  _globals['_ABORTRESPONSE']._serialized_start=2018
+  _globals['_ABORTRESPONSE']._serialized_end=2048
+  _globals['_TOKENIZEREQUEST']._serialized_start=2050
+  _globals['_TOKENIZEREQUEST']._serialized_end=2151
+  _globals['_TOKENIZERESPONSE']._serialized_start=2153
+  _globals['_TOKENIZERESPONSE']._serialized_end=2228
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2230
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2251
+  _globals['_MODELINFO']._serialized_start=2254
+  _globals['_MODELINFO']._serialized_end=2427
+  _globals['_GETLOADREQUEST']._serialized_start=2429
+  _globals['_GETLOADREQUEST']._serialized_end=2445
+  _globals['_REPLICALOAD']._serialized_start=2448
+  _globals['_REPLICALOAD']._serialized_end=2764
+  _globals['_LOADREPORT']._serialized_start=2767
+  _globals['_LOADREPORT']._serialized_end=2936
+  _globals['_SLOTSERVE']._serialized_start=3061
+  _globals['_SLOTSERVE']._serialized_end=3433
 # @@protoc_insertion_point(module_scope)
