@@ -11,6 +11,7 @@ heard from any replica).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ray import serve
@@ -35,6 +36,7 @@ class HandleEngineClient:
     def __init__(self, handle: DeploymentHandle, deployment: str) -> None:
         self._handle = handle
         self._deployment = deployment  # "<app>#<name>"
+        self._first_call: asyncio.Future | None = None
 
     def router(self) -> inflight.LinkRouter | None:
         return inflight.find(self._deployment)
@@ -43,12 +45,16 @@ class HandleEngineClient:
         return await self._handle.model_info.remote()
 
     async def replica_loads(self) -> list[dict]:
-        """Every replica's routing stats, as this process's router last polled them."""
+        """Every replica's routing stats, as this process's router last polled them; none before
+        Serve has made that router, which a handle's first call does (started here, not awaited:
+        it waits for a replica, and a health check asking for loads must not)."""
         router = self.router()
-        if router is None:  # Serve makes the router at a handle's first call
-            await self.model_info()
-            router = self.router()
-        return router.replica_stats() if router is not None else []
+        if router is None:
+            if self._first_call is None or self._first_call.done():
+                self._first_call = asyncio.ensure_future(self.model_info())
+                self._first_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # no replica yet: retried
+            return []
+        return router.replica_stats()
 
     async def abort(self, request_id: str) -> bool:
         """Asks every replica: one call each, pinned to it by the slot-aware router."""
