@@ -178,7 +178,8 @@ class Sample:
     states: dict[str, int]
     """Serve's replica states of the engine deployment, e.g. {"RUNNING": 2, "STOPPING": 1}."""
     loads: dict[str, dict] | None
-    """Per replica id: running, waiting, max_num_seqs, slot_occupancy, num_finished (None: GetLoad failed)."""
+    """Per replica id: running, waiting, max_num_seqs, slot_occupancy, num_finished, updated_at (when the
+    replica took them: the ingress reports its router's last poll); None: GetLoad failed."""
     in_flight: int
 
 
@@ -221,7 +222,8 @@ class Monitor:
         except grpc.RpcError:
             return None
         return {r.replica_id: {"running": r.running, "waiting": r.waiting, "max_num_seqs": r.max_num_seqs,
-                               "slot_occupancy": r.slot_occupancy, "num_finished": r.num_finished}
+                               "slot_occupancy": r.slot_occupancy, "num_finished": r.num_finished,
+                               "updated_at": r.updated_at}
                 for r in report.replicas}
 
     def _run(self) -> None:

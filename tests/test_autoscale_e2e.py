@@ -81,7 +81,9 @@ def _long_stream_on_every_replica(monitor, long_clients) -> None:
     """
     for started in range(1, MAX_LONG_CLIENTS + 1):
         long_clients.add(1)
-        sample = monitor.wait_for(lambda s: s.loads and sum(r["running"] for r in s.loads.values()) >= started,
+        since = time.time()  # loads taken before this are the step's, not these streams'
+        sample = monitor.wait_for(lambda s: s.loads and all(r["updated_at"] > since for r in s.loads.values())
+                                  and sum(r["running"] for r in s.loads.values()) >= started,
                                   30, f"{started} long streams running")
         if len(sample.loads) == 2 and all(r["running"] >= 1 for r in sample.loads.values()):
             return
