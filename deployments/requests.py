@@ -142,10 +142,11 @@ def check_messages_length(messages: Sequence[ChatMessage], max_chars: int) -> No
         raise BadRequest(f"messages have {total} characters in all; the limit is {max_chars}", param="messages")
 
 
-def check_vocab(token_ids: Sequence[int], vocab_size: int, field: str = "prompt_token_ids") -> None:
+def check_vocab(token_ids: Sequence[int], vocab_size: int) -> None:
     for i, t in enumerate(token_ids):
         if t >= vocab_size:
-            raise BadRequest(f"{field}.{i} must be a token id in [0, {vocab_size}), got {t}", param=f"{field}.{i}")
+            raise BadRequest(f"prompt_token_ids.{i} must be a token id in [0, {vocab_size}), got {t}",
+                             param=f"prompt_token_ids.{i}")
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
