@@ -1,0 +1,42 @@
+"""The ingress's side of the slot-aware router (deployments.ingress.HandleEngineClient), without a cluster."""
+
+from __future__ import annotations
+
+from tests.test_router_ray import PROMPT, _router, _stats
+
+
+def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
+    """deployments.ingress.HandleEngineClient: before Serve made this process's router (a handle's first
+    call does, and that call waits for a replica) loads are empty at once; then they are the router's."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployments.ingress import HandleEngineClient
+    from router import inflight
+
+    class Handle:  # a deployment handle whose calls wait: no replica is up yet
+        def __init__(self) -> None:
+            self.calls = 0
+            self.model_info = SimpleNamespace(remote=self._call)
+
+        async def _call(self):
+            self.calls += 1
+            await asyncio.Event().wait()
+
+    async def main():
+        inflight._routers.pop("app#engine", None)
+        handle = Handle()
+        client = HandleEngineClient(handle, "app#engine")
+        assert await asyncio.wait_for(client.replica_loads(), 1) == []
+        assert await asyncio.wait_for(client.replica_loads(), 1) == []
+        await asyncio.sleep(0)
+        assert handle.calls == 1  # one call under way starts the router, not one per ask
+        router = _router()
+        router._live = [SimpleNamespace(replica_id=SimpleNamespace(unique_id="r0"), routing_stats=_stats(3))]
+        inflight.offer("app#engine", router)
+        (load,) = await client.replica_loads()
+        assert (load["replica_id"], load["running"], load["healthy"]) == ("r0", 3, True)
+        assert client.choose({"request_id": "q", "prompt_token_ids": PROMPT}, frozenset()) is None  # no link
+        inflight._routers.pop("app#engine", None)
+
+    asyncio.run(main())
