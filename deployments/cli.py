@@ -150,7 +150,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for key, value in env.items():  # the local cluster's processes inherit it
         os.environ.setdefault(key, value)
     ray.init(num_cpus=args.num_cpus, include_dashboard=args.dashboard, _metrics_export_port=args.metrics_port)
-    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own: a stop drains like Ctrl-C
+    # After ray.init, which sets its own. SIGINT too: a shell starts background jobs with SIGINT
+    # ignored, and `kill -INT` from a script must drain like Ctrl-C.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _interrupt)
     try:
         serve.start(http_options=http_options, grpc_options=grpc_serve_options)
         from deployments.app import build_app

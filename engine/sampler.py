@@ -8,6 +8,7 @@ the same tokens alone, in any batch, and after being preempted and recomputed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,10 @@ class SamplingBatch:
 
 
 class Sampler:
+    def __init__(self, uniform: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = hashed_uniform) -> None:
+        """``uniform``: ``hashed_uniform`` or an op that returns the same bits (the CPU kernel library's)."""
+        self.uniform = uniform
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[dict[int, float] | None]]:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if batch.any_logit_bias:
@@ -126,8 +131,8 @@ class Sampler:
             probs = torch.softmax(scaled, dim=-1)
             floor = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             scaled = scaled.masked_fill(probs < floor, float("-inf"))
-        u = hashed_uniform(b.seeds, b.positions, scaled.shape[1])
-        gumbel = (-torch.log(-torch.log(u))).to(scaled.dtype)
+        # In place: the same ops as -log(-log(u)), without three batch-sized temporaries.
+        gumbel = self.uniform(b.seeds, b.positions, scaled.shape[1]).log_().neg_().log_().neg_().to(scaled.dtype)
         sampled = (scaled + gumbel).argmax(dim=-1)
         return torch.where(b.temperature > 0, sampled, greedy_tokens)
 

@@ -59,8 +59,8 @@ def test_cpu_kernel_equals_the_torch_reference_over_long_contexts(dtype):
         cache = backend.allocate_cache(blocks, dtype, CPU)
         # The same cached context in both layouts: write it through each backend's own slot writes.
         full = torch.randn(blocks * block_size, kv_heads, head_dim, generator=gen.manual_seed(7)).to(dtype)
-        if name == "cpu":  # [blocks, kv_heads, block_size, head_dim]
-            cache[0].copy_(full.view(blocks, block_size, kv_heads, head_dim).transpose(1, 2))
+        if name == "cpu":  # K [blocks, kv_heads, head_dim, block_size], V [blocks, kv_heads, block_size, head_dim]
+            cache[0].copy_(full.view(blocks, block_size, kv_heads, head_dim).permute(0, 2, 3, 1))
             cache[1].copy_(full.flip(0).view(blocks, block_size, kv_heads, head_dim).transpose(1, 2))
         else:
             cache[0].copy_(full.transpose(0, 1))
@@ -70,17 +70,42 @@ def test_cpu_kernel_equals_the_torch_reference_over_long_contexts(dtype):
     torch.testing.assert_close(outs[0], outs[1], atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kv_rows_land_in_their_slots(dtype):
+    # v as the model hands it over: a view into the fused qkv projection (rows not contiguous).
+    blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 3, 16, 9
+    qkv = torch.randn(tokens, 5 * kv_heads * head_dim).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    v = qkv[:, -kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    backend = create_backend("cpu", CPU, kv_heads, kv_heads, head_dim, block_size, dtype)
+    k_cache, v_cache = backend.allocate_cache(blocks, dtype, CPU)
+    cpu_attention.load_kernel().write_kv(k_cache, v_cache, k, v, slots)
+    block, offset = slots // block_size, slots % block_size
+    assert torch.equal(k_cache.permute(0, 3, 1, 2)[block, offset], k)  # [blocks, block_size, kv_heads, d]
+    assert torch.equal(v_cache.transpose(1, 2)[block, offset], v)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert not v_cache.transpose(1, 2).reshape(-1, kv_heads, head_dim)[untouched].any()
+    with pytest.raises(RuntimeError, match="one slot per token"):
+        cpu_attention.load_kernel().write_kv(k_cache, v_cache, k, v, slots[:-1])
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        cpu_attention.load_kernel().write_kv(k_cache, v_cache, k.half(), v.half(), slots)
+
+
 def test_cpu_kernel_names_what_is_wrong():
-    kernel = cpu_attention.load_kernel()
+    kernel = cpu_attention.load_kernel().paged_attention
     q = torch.randn(2, 4, 16)
-    cache = torch.zeros(4, 8, 2, 16)
+    k_cache, v_cache = torch.zeros(4, 2, 16, 8), torch.zeros(4, 2, 8, 16)  # 4 blocks of 8 tokens, 2 KV heads
     cu, lens, table = torch.tensor([0, 1, 2]), torch.tensor([3, 5]), torch.zeros(2, 1)
     with pytest.raises(RuntimeError, match="must be int32"):
-        kernel(torch.empty_like(q), q, cache, cache, cu, lens, table, 0.25)
+        kernel(torch.empty_like(q), q, k_cache, v_cache, cu, lens, table, 0.25)
     with pytest.raises(RuntimeError, match="share one dtype"):
-        kernel(torch.empty_like(q), q, cache.bfloat16(), cache.bfloat16(), cu.int(), lens.int(), table.int(), 0.25)
+        kernel(torch.empty_like(q), q, k_cache.bfloat16(), v_cache.bfloat16(), cu.int(), lens.int(), table.int(), 0.25)
+    with pytest.raises(RuntimeError, match="last two dimensions swapped"):
+        kernel(torch.empty_like(q), q, v_cache, v_cache, cu.int(), lens.int(), table.int(), 0.25)
     with pytest.raises(RuntimeError, match="head_dim must match"):
-        kernel(torch.empty(2, 4, 8), torch.randn(2, 4, 8), cache, cache, cu.int(), lens.int(), table.int(), 0.25)
+        kernel(torch.empty(2, 4, 8), torch.randn(2, 4, 8), k_cache, v_cache, cu.int(), lens.int(), table.int(), 0.25)
 
 
 def test_the_build_is_keyed_by_source_flags_and_cpu(monkeypatch, tmp_path):
@@ -91,9 +116,9 @@ def test_the_build_is_keyed_by_source_flags_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_attention, "CFLAGS", cpu_attention.CFLAGS + ("-DOTHER",))
     assert cpu_attention.kernel_name() != name
     monkeypatch.undo()
-    source = tmp_path / "paged_attention.cpp"
-    source.write_bytes(cpu_attention.SOURCE.read_bytes() + b"\n// edited\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", source)
+    source = tmp_path / "sampling.cpp"
+    source.write_bytes(cpu_attention.SOURCES[1].read_bytes() + b"\n// edited\n")
+    monkeypatch.setattr(cpu_attention, "SOURCES", (cpu_attention.SOURCES[0], source))
     assert cpu_attention.kernel_name() != name
     monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
     assert cpu_attention.kernel_dir() == tmp_path / "kernels"
@@ -102,3 +127,14 @@ def test_the_build_is_keyed_by_source_flags_and_cpu(monkeypatch, tmp_path):
 def test_without_a_compiler_the_reason_is_given(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     assert "no-such-compiler-here" in cpu_attention.compiler_problem()
+
+
+def test_the_kernel_draws_the_samplers_uniforms_bit_for_bit():
+    from engine.sampler import hashed_uniform
+    seeds = torch.tensor([0, 1, -5, 2**62 + 12345, -(2**63)], dtype=torch.int64)
+    positions = torch.tensor([0, 7, 300, 2**40, 5], dtype=torch.int64)
+    ops = cpu_attention.load_kernel()
+    for vocab in (1, 3, 49_152, 100_003):  # row boundaries inside and across parallel chunks
+        assert torch.equal(ops.hashed_uniform(seeds, positions, vocab), hashed_uniform(seeds, positions, vocab))
+    with pytest.raises(RuntimeError, match="int64 vectors of one length"):
+        ops.hashed_uniform(seeds, positions[:2], 8)

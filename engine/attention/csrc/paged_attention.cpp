@@ -2,11 +2,14 @@
 //
 // FlashAttention varlen semantics: request b owns query rows cu_seqlens_q[b]..cu_seqlens_q[b+1]
 // and attends causally (aligned bottom-right) to its first seqlens_k[b] cached tokens, which
-// live in the blocks block_table[b, :]. Cache layout [num_blocks, block_size, kv_heads, head_dim].
-// One work item is (query row, KV head): the G query heads sharing that KV head read each key
-// and value once. Scores stay in fp32 whatever the cache dtype.
+// live in the blocks block_table[b, :]. Layouts: K [num_blocks, kv_heads, head_dim, block_size]
+// (keys transposed, so one vector holds a dimension of W consecutive keys and a score needs no
+// horizontal sum), V [num_blocks, kv_heads, block_size, head_dim]; one head's block is one
+// contiguous run that the hardware prefetcher streams. One work item is (query row, KV head):
+// the G query heads sharing that KV head read each key and value once. Scores stay in fp32
+// whatever the cache dtype.
 //
-// Built on first use by engine/attention/cpu_kernel.py with -O3 -march=native; the loops are
+// Built on first use by engine/attention/cpu.py with -O3 -march=native; the loops are
 // written so the compiler vectorizes them (omp simd over head_dim and over keys).
 
 #include <ATen/Parallel.h>
@@ -88,36 +91,44 @@ inline void store_row(const float* src, T* dst, int64_t n) {
 
 struct Shapes {
   int64_t heads, kv_heads, group, head_dim, block_size, table_width;
-  int64_t q_row, k_block, k_token, k_head;  // strides, in elements
+  int64_t q_row, block, head;  // strides, in elements (the same for K and V)
 };
 
-// Scores of G query heads (qf, pre-scaled) against n keys `stride` apart: out[g * ld + o].
-// Four keys at a time, so four independent FMA chains hide the FMA latency.
+// The first n < W lanes of p, zeros after: a partial vector never reads past its block.
 template <typename T>
-inline void block_scores(const float* qf, const T* key, int64_t stride, int64_t n, int64_t G, int64_t D,
-                         float* out, int64_t ld) {
-  const int64_t chunks = D / W;
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
-    const T* k0 = key + o * stride;
-    for (int64_t g = 0; g < G; ++g) {
-      vfloat a0{}, a1{}, a2{}, a3{};
-      for (int64_t c = 0; c < chunks; ++c) {
-        const vfloat qv = load(qf + g * D + c * W);
-        a0 += qv * load(k0 + c * W);
-        a1 += qv * load(k0 + stride + c * W);
-        a2 += qv * load(k0 + 2 * stride + c * W);
-        a3 += qv * load(k0 + 3 * stride + c * W);
-      }
-      float* dst = out + g * ld + o;
-      dst[0] = hsum(a0), dst[1] = hsum(a1), dst[2] = hsum(a2), dst[3] = hsum(a3);
-    }
+inline vfloat load_partial(const T* p, int64_t n) {
+  float tmp[W] = {};
+  for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load(tmp);
+}
+
+// Scores of query head q (pre-scaled) against V * W keys of a transposed block: one FMA chain
+// per vector of keys, V chains in flight to hide the FMA latency.
+template <int V, typename T>
+inline void score_keys(const float* q, const T* key, int64_t D, int64_t bs, float* out) {
+  vfloat acc[V] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = q[d];
+    for (int v = 0; v < V; ++v) acc[v] += qd * load(key + d * bs + v * W);
   }
-  for (; o < n; ++o) {
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+// Scores of G query heads (qf, pre-scaled) against the first n keys of one transposed block
+// (key[d * block_size + token]): out[g * ld + o].
+template <typename T>
+inline void block_scores(const float* qf, const T* key, int64_t n, int64_t G, int64_t D, int64_t bs,
+                         float* out, int64_t ld) {
+  int64_t o = 0;
+  for (; o + 4 * W <= n; o += 4 * W)
+    for (int64_t g = 0; g < G; ++g) score_keys<4>(qf + g * D, key + o, D, bs, out + g * ld + o);
+  for (; o + W <= n; o += W)
+    for (int64_t g = 0; g < G; ++g) score_keys<1>(qf + g * D, key + o, D, bs, out + g * ld + o);
+  if (o < n) {  // fewer than W keys left: a partial vector never reads past its block
     for (int64_t g = 0; g < G; ++g) {
-      vfloat a{};
-      for (int64_t c = 0; c < chunks; ++c) a += load(qf + g * D + c * W) * load(key + o * stride + c * W);
-      out[g * ld + o] = hsum(a);
+      vfloat acc{};
+      for (int64_t d = 0; d < D; ++d) acc += qf[g * D + d] * load_partial(key + d * bs + o, n - o);
+      std::memcpy(out + g * ld + o, &acc, (n - o) * sizeof(float));
     }
   }
 }
@@ -151,11 +162,8 @@ inline void block_values(const float* p, const T* value, int64_t stride, int64_t
 template <typename T>
 inline void prefetch_block(const T* first, const Shapes& s) {
   const char* p = reinterpret_cast<const char*>(first);
-  for (int64_t t = 0; t < s.block_size; ++t) {
-    const char* row = p + t * s.k_token * sizeof(T);
-    for (int64_t byte = 0; byte < s.head_dim * static_cast<int64_t>(sizeof(T)); byte += 64)
-      __builtin_prefetch(row + byte, 0, 1);
-  }
+  const int64_t bytes = s.head * static_cast<int64_t>(sizeof(T));
+  for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(p + byte, 0, 1);
 }
 
 // G query heads of one row over the first `len` tokens of one request, one KV head.
@@ -167,9 +175,9 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
   const int64_t nblocks = (len + bs - 1) / bs;
   for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   for (int64_t b = 0; b < nblocks; ++b) {
-    const T* key = k_cache + blocks[b] * s.k_block + kv_head * s.k_head;
-    if (b + 1 < nblocks) prefetch_block(k_cache + blocks[b + 1] * s.k_block + kv_head * s.k_head, s);
-    block_scores(qf, key, s.k_token, std::min(bs, len - b * bs), G, D, scores + b * bs, padded);
+    const T* key = k_cache + blocks[b] * s.block + kv_head * s.head;
+    if (b + 1 < nblocks) prefetch_block(k_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
+    block_scores(qf, key, std::min(bs, len - b * bs), G, D, bs, scores + b * bs, padded);
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * padded;
@@ -187,9 +195,9 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
   }
   std::fill(acc, acc + G * (D / W), vfloat{});
   for (int64_t b = 0; b < nblocks; ++b) {
-    const T* value = v_cache + blocks[b] * s.k_block + kv_head * s.k_head;
-    if (b + 1 < nblocks) prefetch_block(v_cache + blocks[b + 1] * s.k_block + kv_head * s.k_head, s);
-    block_values(scores + b * bs, value, s.k_token, std::min(bs, len - b * bs), G, D, padded, acc);
+    const T* value = v_cache + blocks[b] * s.block + kv_head * s.head;
+    if (b + 1 < nblocks) prefetch_block(v_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
+    block_values(scores + b * bs, value, D, std::min(bs, len - b * bs), G, D, padded, acc);
   }
   for (int64_t g = 0; g < G; ++g) store_row(reinterpret_cast<const float*>(acc + g * (D / W)), out + g * D, D);
 }
@@ -199,8 +207,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
                           const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seqlens_k,
                           const at::Tensor& block_table, double scale) {
   const int64_t rows = q.size(0), batch = seqlens_k.size(0);
-  Shapes s{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1),
-           block_table.size(1), q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  Shapes s{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2), k_cache.size(3),
+           block_table.size(1), q.stride(0), k_cache.stride(0), k_cache.stride(1)};
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* kv_lens = seqlens_k.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
@@ -245,14 +253,16 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      double scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: tensors must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "paged_attention: q/out [rows, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]");
+              "paged_attention: q/out [rows, heads, head_dim], k_cache [blocks, kv_heads, head_dim, block_size], "
+              "v_cache [blocks, kv_heads, block_size, head_dim]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
                   q.scalar_type() == out.scalar_type(),
               "paged_attention: q, out and the caches must share one dtype");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-                  k_cache.stride(3) == 1,
-              "paged_attention: K and V caches must share shape and strides, head_dim contiguous");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == v_cache.size(1) && k_cache.size(2) == v_cache.size(3) &&
+                  k_cache.size(3) == v_cache.size(2),
+              "paged_attention: contiguous caches, K as V with its last two dimensions swapped");
+  TORCH_CHECK(q.size(2) == v_cache.size(3) && q.size(1) % v_cache.size(1) == 0,
               "paged_attention: head_dim must match and heads must be a multiple of kv_heads");
   TORCH_CHECK(q.size(2) % W == 0, "paged_attention: head_dim must be a multiple of ", W, ", got ", q.size(2));
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q rows must be contiguous");
@@ -279,11 +289,66 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   }
 }
 
+// The step's new K/V rows into their slots: V rows are copied whole, K rows scattered into
+// their block's transposed layout. Advanced indexing (index_put_) did the same at ~10x the cost.
+template <typename T>
+void write_kv_impl(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& slot_mapping) {
+  const int64_t tokens = k.size(0), heads = k.size(1), D = k.size(2), bs = k_cache.size(3);
+  const int64_t block = k_cache.stride(0), head = k_cache.stride(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  // Decodes write a few rows: threads would cost more than the copies.
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = slots[t] / bs, offset = slots[t] % bs;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* src = kp + t * k.stride(0) + h * k.stride(1);
+        T* dst = kc + b * block + h * head + offset;
+        for (int64_t d = 0; d < D; ++d) dst[d * bs] = src[d];
+        std::memcpy(vc + b * block + h * head + offset * D, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(T));
+      }
+    }
+  });
+}
+
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.device().is_cpu() && k_cache.device().is_cpu(), "write_kv: tensors must be on the CPU");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "write_kv: k/v [tokens, kv_heads, head_dim], contiguous k_cache [blocks, kv_heads, head_dim, "
+              "block_size] and v_cache [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2) && v_cache.size(0) == k_cache.size(0) &&
+                  v_cache.size(1) == k.size(1) && v_cache.size(2) == k_cache.size(3) && v_cache.size(3) == k.size(2),
+              "write_kv: kv_heads, head_dim and block_size must match between k/v and the caches");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "write_kv: k, v and the caches must share one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv: head_dim of k and v must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              "write_kv: slot_mapping must be contiguous int64, one slot per token");
+  switch (k.scalar_type()) {
+    case at::kFloat: write_kv_impl<float>(k_cache, v_cache, k, v, slot_mapping); break;
+    case at::kBFloat16: write_kv_impl<c10::BFloat16>(k_cache, v_cache, k, v, slot_mapping); break;
+    case at::kHalf: write_kv_impl<c10::Half>(k_cache, v_cache, k, v, slot_mapping); break;
+    default: TORCH_CHECK(false, "write_kv: dtype must be float32, bfloat16 or float16, got ", k.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(slotserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor seqlens_k, Tensor block_table, float scale) -> ()");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(slotserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(slotserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}
