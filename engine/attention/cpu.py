@@ -4,15 +4,18 @@ Cache layouts: V ``[num_blocks, kv_heads, block_size, head_dim]`` and K the same
 two dimensions swapped (``[.., head_dim, block_size]``). One head's block is one contiguous run
 of memory, which the hardware prefetcher streams (measured ~15 % faster than the CUDA backends'
 ``[num_blocks, block_size, kv_heads, head_dim]`` for a decode step); transposed keys let the
-kernel score W keys per vector instruction with no horizontal sums. Requests
-that read cached context (decodes, chunks after a cached prefix) go to the kernel
-(``csrc/paged_attention.cpp``), which walks each request's block table: no per-layer gather,
-no padding to the longest context. First chunks attend to their own new K/V with torch's
-fused CPU flash-attention (SDPA, causal), one call per request: they are compute-bound.
+kernel score W keys per vector instruction with no horizontal sums (~10 % faster per layer
+than keys stored like values). Requests that read cached context (decodes, chunks after a
+cached prefix) go to the kernel (``csrc/paged_attention.cpp``), which walks each request's
+block table: no per-layer gather, no padding to the longest context. First chunks attend to
+their own new K/V with torch's fused CPU flash-attention (SDPA, causal), one call per request:
+they are compute-bound. The same library writes each step's K/V into its slots and draws the
+sampler's random numbers (``csrc/sampling.cpp``): both were small torch ops that cost more
+than their work.
 
-The kernel is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` into
+The library is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` into
 ``$SLOTSERVE_CACHE/kernels`` (default ``~/.cache/slotserve/kernels``) the first time a process
-needs it; the folder name hashes the source, torch's version, the compiler flags and the
+needs it; the folder name hashes the sources, torch's version, the compiler flags and the
 CPU's instruction sets, so a stale or foreign build is never loaded. Concurrent builds (Ray
 replicas, tensor-parallel ranks) wait on the extension builder's own lock.
 """
