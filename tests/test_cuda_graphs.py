@@ -81,7 +81,9 @@ def test_scratch_block_is_past_the_pool_the_block_manager_hands_out(tiny_model_d
     engine = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=12, block_size=8).engine
     runner, blocks = engine.runner, engine.block_manager
     assert runner.scratch_block == runner.num_blocks == blocks.num_blocks == 12
-    assert runner.kv_caches[0][0].shape[:3] == (13, 2, 8)  # the cpu layout: [blocks, kv_heads, block_size, d]
+    # the cpu layouts: K [blocks, kv_heads, d, block_size], V [blocks, kv_heads, block_size, d]
+    k_cache, v_cache = runner.kv_caches[0]
+    assert (k_cache.shape[:2], k_cache.shape[3], v_cache.shape[:3]) == ((13, 2), 8, (13, 2, 8))
     assert runner.scratch_block not in blocks.allocate(blocks.num_free)
     table = runner.block_table
     assert table.table[table.pad_row].tolist() == [runner.scratch_block] * table.max_blocks
