@@ -11,7 +11,8 @@ from benchmarks.workloads import BenchRequest, warmup_requests
 
 
 def make_engine(settings: BenchSettings, scheduling: str = "continuous", profile: bool = False,
-                max_num_seqs: int | None = None, num_kv_blocks: int | None = None):
+                max_num_seqs: int | None = None, num_kv_blocks: int | None = None, **options):
+    """``options``: further engine options (EngineConfig.from_options)."""
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
 
@@ -21,7 +22,7 @@ def make_engine(settings: BenchSettings, scheduling: str = "continuous", profile
         max_num_batched_tokens=max(settings.max_num_batched_tokens, slots),
         block_size=settings.block_size, num_kv_blocks=num_kv_blocks or settings.num_kv_blocks,
         enable_prefix_caching=settings.enable_prefix_caching, scheduling=scheduling, dtype=settings.dtype,
-        device=settings.device, max_model_len=settings.max_model_len, profile=profile)
+        device=settings.device, max_model_len=settings.max_model_len, profile=profile, **options)
     return LLMEngine(config)
 
 

@@ -107,10 +107,13 @@ class EngineConfig:
     """``auto``: on CUDA the first that runs here of fa3, flash, varlen (FlashAttention kernels) and
     triton; on CPU the ``cpu`` kernel (built on first use); else torch."""
     enforce_eager: Bool = Field(default_factory=lambda: os.environ.get("SLOTSERVE_ENFORCE_EAGER", "") == "1")
-    """Run the model eagerly: no compiled model on CPU (engine.model.compiled: ~25 s at start with a
-    warm inductor cache, ~2.5 min cold, for the default model on 2 cores), no CUDA graphs on GPU.
+    """Run the model eagerly: no compiled model (engine.model.compiled: ~25 s at start with a warm
+    inductor cache, ~2.5 min cold, for the default model on 2 cores), no CUDA graphs.
     Default: ``$SLOTSERVE_ENFORCE_EAGER == "1"`` (the test suite sets it, so only the tests of the
     compiled path pay for compiling)."""
+    compile_model: Bool = True
+    """``torch.compile`` the decoder stack unless ``enforce_eager`` (not with tensor parallelism).
+    Off: eager modules, CUDA graphs still captured on GPU (to compare, or where compiling fails)."""
     profile: Bool = False
     """Time the phases of each step (schedule, prepare, forward, sample, output) into stats."""
     num_threads: Int | None = Field(None, ge=1)
@@ -129,7 +132,8 @@ class EngineConfig:
                     "parallel": ParallelConfig}
         kwargs: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
-        top_fields = {"attention_backend", "enforce_eager", "profile", "num_threads", "stuck_timeout_s"}
+        top_fields = {"attention_backend", "enforce_eager", "compile_model", "profile", "num_threads",
+                      "stuck_timeout_s"}
         owners = {f.name: name for name, klass in sections.items() for f in dataclasses.fields(klass)}
         for key, value in options.items():
             if key in top_fields:

@@ -10,6 +10,7 @@ memory budget (engine.memory).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -74,9 +75,9 @@ class ModelRunner:
         if cpu_prepack_supported(self.device, self.dtype):
             # Decode steps run about max_num_seqs rows through every linear layer.
             self.model.prepack(config.scheduler.max_num_seqs)
-        # Compiled on CPU alone: CUDA has its graphs, and tensor-parallel ranks all-reduce mid-layer.
+        # Not with tensor parallelism: its ranks all-reduce mid-layer, outside what one graph can trace.
         self.compiled: CompiledDecoder | None = None
-        if self.device.type == "cpu" and not config.enforce_eager and self.group.world_size == 1:
+        if config.compile_model and not config.enforce_eager and self.group.world_size == 1:
             self.compiled = CompiledDecoder(self.model)
         self.num_layers = arch.num_layers
         # The CPU kernel library draws the sampler's random numbers too, bit for bit as torch would.
@@ -97,18 +98,18 @@ class ModelRunner:
             self.backend.reserve(self.max_context_tokens, self.dtype, self.device)
         self.block_table = BlockTable(max_seqs, -(-max_model_len // self.block_size), self.device,
                                       pad_block=self.scratch_block)
+        self.compile_s: float | None = None
+        """Seconds the start-up compilation took (a warm inductor cache makes it short)."""
+        if self.compiled is not None:  # before capture: no compilation may happen inside a CUDA graph
+            self.compile_s = self.compiled.warm_up(self._warm_up_step)
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.block_table, self.block_size,
+            self.graphs = DecodeGraphs(self.decoder, self.backend, self.kv_caches, self.block_table, self.block_size,
                                        max_seqs, max_model_len, arch.vocab_size, self.device)
             with torch.inference_mode():
                 self.graphs.capture()
         self.send_step: Callable[[list], None] | None = None
         """Rank 0 with tensor parallelism: hands each step to the other ranks before running it."""
-        self.compile_s: float | None = None
-        """Seconds the start-up compilation took (a warm inductor cache makes it short)."""
-        if self.compiled is not None:
-            self.compile_s = self.compiled.warm_up(self._warm_up_step)
 
     @torch.inference_mode()
     def _warm_up_step(self, num_tokens: int) -> None:
@@ -117,11 +118,14 @@ class ModelRunner:
         _, input_ids, positions, meta, logits_idx = build_step_inputs(chunks, self.block_size, self.device)
         self._forward(input_ids, positions, meta, logits_idx)
 
+    @property
+    def decoder(self) -> Callable:
+        """What runs the model, called like it: the compiled decoder where there is one, else the modules."""
+        return self.model if self.compiled is None else functools.partial(self.compiled, backend=self.backend)
+
     def _forward(self, input_ids, positions, meta, logits_idx):
         self.backend.plan(meta)
-        if self.compiled is not None:
-            return self.compiled(input_ids, positions, self.kv_caches, meta, logits_idx, self.backend)
-        return self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        return self.decoder(input_ids, positions, self.kv_caches, meta, logits_idx)
 
     # ------------------------------------------------------------------ KV pool
     def _pool_size(self) -> int:

@@ -55,10 +55,32 @@ def test_compiled_engine_gives_hf_greedy_tokens_and_a_cached_compile_no_stale_we
     assert _greedy(llm) == want_first  # and the first engine's graphs still read its own weights
 
 
-def test_enforce_eager_runs_the_model_uncompiled(models):
-    llm = LLM(str(models[0][0]), **{**OPTIONS, "enforce_eager": True})
+@pytest.mark.parametrize("option", ["enforce_eager", "compile_model"])
+def test_the_model_runs_uncompiled_when_asked(models, option):
+    llm = LLM(str(models[0][0]), **{**OPTIONS, option: option == "enforce_eager"})
     assert llm.engine.runner.compiled is None and llm.engine.runner.compile_s is None
     assert _greedy(llm) == models[0][1]
+
+
+def test_captured_decode_inputs_reach_the_compiled_model_as_eager_steps_do(tiny_model_dir):
+    """DecodeGraphs' static buffers (what CUDA graphs capture) and eager steps' packed inputs give the
+    compiled model one layout: two variants (one token, many) in all, none more per engine."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from tests.test_cuda_graphs import LONG, _attach_graphs, _generate
+
+    options = dict(device="cpu", dtype="float32", block_size=8, max_num_seqs=6, max_model_len=300,
+                   num_kv_blocks=64, attention_backend="torch")
+    eager = LLM(str(tiny_model_dir), **options, enforce_eager=True)
+    want = _generate(eager, LONG)
+    code = eager.engine.runner.model.hidden_states.__code__  # dynamo keeps its variants per code object
+    variants = [len(_debug_get_cache_entry_list(code))]  # other tests' models may have added some
+    for _ in range(2):
+        llm = LLM(str(tiny_model_dir), **options, enforce_eager=False)
+        used = _attach_graphs(llm)
+        assert _generate(llm, LONG) == want and used
+        variants.append(len(_debug_get_cache_entry_list(code)))
+    assert variants[1] - variants[0] <= 2 and variants[2] == variants[1], variants
 
 
 def test_compiled_ops_outside_a_step_fail_clearly():

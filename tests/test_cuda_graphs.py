@@ -111,7 +111,7 @@ def _generate(llm: LLM, prompts, max_tokens=None):
 def _attach_graphs(llm: LLM) -> list[tuple[GraphKey, int]]:
     """The runner's decode steps go through DecodeGraphs' static path; returns (key, rows) per step."""
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, runner.block_table, runner.block_size,
+    graphs = DecodeGraphs(runner.decoder, runner.backend, runner.kv_caches, runner.block_table, runner.block_size,
                           llm.engine.config.scheduler.max_num_seqs, runner.max_model_len, llm.engine.vocab_size,
                           runner.device)
     used = []

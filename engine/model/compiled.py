@@ -13,8 +13,10 @@ one-token steps, which it specializes). Two custom ops stay opaque to inductor:
 
 What inductor gains is everything between them: RMSNorm, rotary, SiLU·mul and the residual
 adds become a few fused loops per layer instead of ~40 small ops, each a Python dispatch and
-an OpenMP launch. The final norm and LM head stay outside: they run on the rows that sample,
-whose count may be zero, and the LM head is one large GEMM that fusion does not help.
+an OpenMP launch on CPU, a kernel launch on CUDA. The final norm and LM head stay outside:
+they run on the rows that sample, whose count may be zero, and the LM head is one large GEMM
+that fusion does not help. On CUDA the compiled decoder is what the decode steps' CUDA graphs
+capture (engine.cuda_graphs): fusion takes kernels out of the graph, not just launches.
 
 Compiled code is cached on disk by inductor (``$SLOTSERVE_CACHE/inductor``, default
 ``~/.cache/slotserve/inductor``) under keys that hash the traced graph, torch's version and
@@ -39,6 +41,7 @@ from engine.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
+RECOMPILE_LIMIT = 64
 _step = threading.local()
 """The running step's (backend, metadata, packed layers): per thread, as engines may share a process."""
 
@@ -90,6 +93,10 @@ class CompiledDecoder:
     def __init__(self, model: torch.nn.Module) -> None:
         # Inductor reads its cache folder from the environment when it first needs it.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
+        # Dynamo keeps one compiled variant per model shape, dtype and token-count class (one, many)
+        # under one code object; a process that builds engines of several models (tests, benchmarks)
+        # passes its default of 8, and with fullgraph=True that is an error, not a fallback.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.model = model
         self.packed_layers = [m for m in model.modules() if getattr(m, "packed", None) is not None
                               and hasattr(m, "packed_index")]
@@ -98,6 +105,9 @@ class CompiledDecoder:
         self._hidden = torch.compile(model.hidden_states, dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids, positions, kv_caches, meta, logits_indices, backend):
+        # Eager steps pass rows of one packed tensor. A storage offset is a size dynamo guards on, and
+        # captured decode steps pass offset 0: one layout for all keeps one compiled variant for all.
+        input_ids, positions = (t if t.storage_offset() == 0 else t.clone() for t in (input_ids, positions))
         with step_context(backend, meta, self.packed_layers):
             hidden = self._hidden(input_ids, positions, kv_caches, None)
         return self.model.logits(hidden, logits_indices)
