@@ -37,13 +37,15 @@ def _dense(q, k, v, start):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.float()).reshape(q.shape[0], -1)
 
 
-def run_contract(backend, device, block_size, dtype, atol, heads=4, kv_heads=2, head_dim=D):
-    """Two steps over scattered blocks: first chunks, then decodes + chunks after a prefix + a first chunk.
+def run_contract(backend, device, block_size, dtype, atol, heads=4, kv_heads=2, head_dim=D, contexts=CONTEXTS,
+                 new=NEW):
+    """Two steps over scattered blocks: first chunks of ``contexts``, then ``new`` tokens on top of each
+    (decodes, chunks after a prefix, a first chunk where the context is 0).
     ``backend``: a name for create_backend, or a backend instance."""
     gen = torch.Generator().manual_seed(0)
     if isinstance(backend, str):
         backend = create_backend(backend, device, heads, kv_heads, head_dim, block_size, dtype)
-    total = [c + n for c, n in zip(CONTEXTS, NEW)]
+    total = [c + n for c, n in zip(contexts, new)]
     need = [-(-t // block_size) for t in total]
     ids = list(range(sum(need) + 3))
     random.Random(1).shuffle(ids)  # blocks scattered over the pool
@@ -72,8 +74,8 @@ def run_contract(backend, device, block_size, dtype, atol, heads=4, kv_heads=2, 
             torch.testing.assert_close(out[offset:offset + n], want, atol=atol, rtol=atol)
             offset += n
 
-    step([ScheduledChunk(r, 0, c) for r, c in zip(reqs, CONTEXTS) if c > 0])        # contexts, as first chunks
-    step([ScheduledChunk(r, c, n) for r, c, n in zip(reqs, CONTEXTS, NEW)])         # decodes + chunks on top
+    step([ScheduledChunk(r, 0, c) for r, c in zip(reqs, contexts) if c > 0])        # contexts, as first chunks
+    step([ScheduledChunk(r, c, n) for r, c, n in zip(reqs, contexts, new)])         # decodes + chunks on top
 
 
 # ---------------------------------------------------------------- reference kernels (CPU stand-ins)

@@ -138,3 +138,16 @@ def test_the_kernel_draws_the_samplers_uniforms_bit_for_bit():
         assert torch.equal(ops.hashed_uniform(seeds, positions, vocab), hashed_uniform(seeds, positions, vocab))
     with pytest.raises(RuntimeError, match="int64 vectors of one length"):
         ops.hashed_uniform(seeds, positions[:2], 8)
+
+
+def test_engine_in_bf16_agrees_with_the_torch_backend(tmp_path):
+    """Greedy paths with this kernel and with the torch reference in bf16 (the GPU kernels' check, on CPU)."""
+    from engine import LLM
+    from tests.factories import make_model_dir
+    from tests.test_gpu_engine import assert_bf16_paths_agree, greedy_logprobs
+
+    path = make_model_dir(tmp_path, "llama", seed=4, with_tokenizer=False, hidden=128, heads=8, kv_heads=2)
+    paths = {backend: greedy_logprobs(LLM(str(path), device="cpu", dtype="bfloat16", attention_backend=backend,
+                                          block_size=16, num_kv_blocks=256))
+             for backend in ("cpu", "torch")}
+    assert_bf16_paths_agree(paths["cpu"], paths["torch"])

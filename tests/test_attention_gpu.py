@@ -33,6 +33,16 @@ def test_triton_kernel_compiled_matches_dense_attention(block_size, heads, kv_he
     run_contract("triton", torch.device("cuda"), block_size, dtype, atol, heads, kv_heads, HEAD_DIM)
 
 
+@BLOCKS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_kernel_compiled_over_long_contexts(block_size, dtype):
+    """Many tiles per row and many blocks per tile: a 1000-token context, a 513-token first chunk."""
+    needs_backend("triton", dtype, block_size, HEAD_DIM)
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    run_contract("triton", torch.device("cuda"), block_size, dtype, atol, 8, 2, HEAD_DIM,
+                 contexts=[0, 700, 300, 1000, 129], new=[513, 1, 64, 1, 1])
+
+
 @SHAPES
 @BLOCKS
 def test_torch_backend_on_cuda_matches_dense_attention(block_size, heads, kv_heads):

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything a short GPU lease should check, in one command from the repository root:
+# the `gpu` tests (kernels compiled, CUDA graphs, memory budget, HF oracle on CUDA), the
+# kernels of a decode step (benchmarks.kernels) and the GPU benchmark (random weights of
+# Llama-3.2-1B's shape, bf16; BENCH_ARGS adds options). Logs and results go to $OUT.
+#
+# Wheels of packages the machine lacks (pydantic and its parts) may sit in .whl/.
+# Ray is not needed: engine/ never imports it (tests/test_nvml.py does, so it is left out).
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+
+{
+    nvidia-smi -L
+    python3 - <<'EOF'
+import inspect
+import torch, transformers
+print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)
+print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as e:
+    print("no triton:", e)
+from engine.attention.varlen import torch_varlen_kernel
+k = torch_varlen_kernel()
+print("varlen_attn", None if k is None else inspect.signature(k))
+EOF
+} 2>&1 | tee "$OUT/env.txt"
+
+set -o pipefail
+timeout "${PYTEST_S:-300}" python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --timeout 150 \
+    --junitxml="$OUT/pytest.xml" ${GPU_TESTS:-tests/test_attention_gpu.py tests/test_attention.py \
+    tests/test_gpu_engine.py tests/test_cuda_graphs.py tests/test_memory_budget.py} 2>&1 | tee "$OUT/pytest.log"
+echo "pytest exit: $?" | tee -a "$OUT/pytest.log"
+
+timeout "${KERNELS_S:-120}" python3 -m benchmarks.kernels --device cuda --model-shape llama-1b --levels 1,32 \
+    2>&1 | tee "$OUT/kernels.log"
+
+bench=/tmp/gpu-bench
+timeout "${BENCH_S:-240}" python3 -m benchmarks --device cuda --dtype bfloat16 --model-shape llama-1b \
+    --systems "${BENCH_SYSTEMS:-continuous,static,hf_generate_batch}" --out-dir "$bench" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench.log"
+echo "bench exit: $?" | tee -a "$OUT/bench.log"
+cp "$bench"/results-*.json "$bench"/results-*.md "$OUT/" 2>/dev/null
+tar czf "$OUT/bench-logs.tgz" -C "$bench" logs 2>/dev/null
+true
