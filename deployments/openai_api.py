@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
 from deployments.frontend import Frontend
 from deployments.openai_protocol import ParsedBody, ResponseBuilder, parse_chat_body, parse_completion_body
+from deployments.openai_schema import install_openapi
 from deployments.tracing import trace_headers
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -263,4 +264,5 @@ def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/load", routes.load, methods=["GET"])
+    install_openapi(app, frontend.config.served_model_name)
     return app

@@ -25,7 +25,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
                 "include_stop_str_in_output", "logit_bias")
-_REFUSED = {  # field: (the values served, why others are not)
+REFUSED = {  # field: (the values served, why others are not)
     "n": ((None, 1), "one completion per request"),
     "echo": ((None, False), "the prompt is not echoed back"),
     "best_of": ((None, 1), "one candidate per request"),
@@ -92,11 +92,11 @@ class _Request(BaseModel):
             raise ValueError("is only allowed with stream=true")
         return options
 
-    @field_validator(*_REFUSED, check_fields=False)
+    @field_validator(*REFUSED, check_fields=False)
     @classmethod
     def _served(cls, value: Any, info: ValidationInfo) -> Any:
-        allowed, why = _REFUSED[info.field_name]
-        if value not in allowed:
+        allowed, why = REFUSED[info.field_name]
+        if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):  # True is not 1
             raise ValueError(f"is not supported ({why})")
         return value
 
@@ -105,6 +105,10 @@ class _Request(BaseModel):
         if self.max_tokens is not None:
             fields["max_tokens"] = self.max_tokens
         return fields
+
+    @property
+    def priority_or_default(self) -> Any:
+        return 0 if self.priority is None else self.priority  # null means the default, as for every field
 
     @property
     def include_usage(self) -> bool:
@@ -149,6 +153,14 @@ class ChatRequest(_Request):
             raise ValueError("is only allowed with logprobs=true")
         return top
 
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, limit: Any, info: ValidationInfo) -> Any:
+        other = info.data.get("max_tokens")
+        if limit is not None and other is not None and (type(other), other) != (type(limit), limit):
+            raise ValueError(f"and max_tokens ({other!r}) differ: give one of them")
+        return limit
+
     def sampling(self) -> dict[str, Any]:
         fields = super().sampling()
         if self.max_completion_tokens is not None:
@@ -184,7 +196,7 @@ def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBod
         sampling["logprobs"] = req.logprobs
     text = req.prompt if isinstance(req.prompt, str) else None
     inp = GenerateInput(prompt=text, prompt_token_ids=None if text is not None else req.prompt, sampling=sampling,
-                        model=req.model, request_id=request_id, priority=req.priority,
+                        model=req.model, request_id=request_id, priority=req.priority_or_default,
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
     return ParsedBody(inp, bool(req.stream), req.include_usage)
 
@@ -192,7 +204,7 @@ def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBod
 def parse_chat_body(body: Any, request_id: str | None = None) -> ParsedBody:
     req = _validate(ChatRequest, body)
     inp = GenerateInput(messages=req.messages, sampling=req.sampling(), model=req.model, request_id=request_id,
-                        priority=req.priority)
+                        priority=req.priority_or_default)
     return ParsedBody(inp, bool(req.stream), req.include_usage)
 
 
