@@ -9,8 +9,9 @@
 // the G query heads sharing that KV head read each key and value once. Scores stay in fp32
 // whatever the cache dtype.
 //
-// Built on first use by engine/attention/cpu.py with -O3 -march=native; the loops are
-// written so the compiler vectorizes them (omp simd over head_dim and over keys).
+// Built on first use by engine/attention/cpu.py with -O3 -march=native. Scores and values use
+// GCC vector types of W floats (the widest the build's target has), so no loop depends on the
+// auto-vectorizer.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -133,17 +134,17 @@ inline void block_scores(const float* qf, const T* key, int64_t n, int64_t G, in
   }
 }
 
-// acc[g] += sum over n values `stride` apart of p[g * ld + o] * value[o]: four values at a time.
+// acc[g] += sum over a block's first n values (rows of D) of p[g * ld + o] * value[o]: four at a time.
 template <typename T>
-inline void block_values(const float* p, const T* value, int64_t stride, int64_t n, int64_t G, int64_t D,
-                         int64_t ld, vfloat* acc) {
+inline void block_values(const float* p, const T* value, int64_t n, int64_t G, int64_t D, int64_t ld,
+                         vfloat* acc) {
   const int64_t chunks = D / W;
   int64_t o = 0;
   for (; o + 4 <= n; o += 4) {
-    const T* v0 = value + o * stride;
+    const T* v0 = value + o * D;
     for (int64_t c = 0; c < chunks; ++c) {
-      const vfloat x0 = load(v0 + c * W), x1 = load(v0 + stride + c * W);
-      const vfloat x2 = load(v0 + 2 * stride + c * W), x3 = load(v0 + 3 * stride + c * W);
+      const vfloat x0 = load(v0 + c * W), x1 = load(v0 + D + c * W);
+      const vfloat x2 = load(v0 + 2 * D + c * W), x3 = load(v0 + 3 * D + c * W);
       for (int64_t g = 0; g < G; ++g) {
         const float* pg = p + g * ld + o;
         acc[g * chunks + c] += (pg[0] * x0 + pg[1] * x1) + (pg[2] * x2 + pg[3] * x3);
@@ -152,7 +153,7 @@ inline void block_values(const float* p, const T* value, int64_t stride, int64_t
   }
   for (; o < n; ++o) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const vfloat x = load(value + o * stride + c * W);
+      const vfloat x = load(value + o * D + c * W);
       for (int64_t g = 0; g < G; ++g) acc[g * chunks + c] += p[g * ld + o] * x;
     }
   }
@@ -197,7 +198,7 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
   for (int64_t b = 0; b < nblocks; ++b) {
     const T* value = v_cache + blocks[b] * s.block + kv_head * s.head;
     if (b + 1 < nblocks) prefetch_block(v_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
-    block_values(scores + b * bs, value, D, std::min(bs, len - b * bs), G, D, padded, acc);
+    block_values(scores + b * bs, value, std::min(bs, len - b * bs), G, D, padded, acc);
   }
   for (int64_t g = 0; g < G; ++g) store_row(reinterpret_cast<const float*>(acc + g * (D / W)), out + g * D, D);
 }
