@@ -264,5 +264,5 @@ def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/load", routes.load, methods=["GET"])
-    install_openapi(app, frontend.config.served_model_name)
+    install_openapi(app, tuple(dict.fromkeys((frontend.config.served_model_name, frontend.config.model))))
     return app

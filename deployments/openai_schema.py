@@ -177,11 +177,11 @@ def _sampling_fields() -> dict[str, dict]:
     return out
 
 
-def _own_fields(chat: bool, model: str) -> dict[str, dict]:
+def _own_fields(chat: bool, models: tuple[str, ...]) -> dict[str, dict]:
     """Fields that are not SamplingParams', typed as the request models accept them."""
     token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
     fields: dict[str, dict] = {
-        "model": {"enum": [model], "description": "the served model's id (/v1/models); another is a 404"},
+        "model": {"enum": list(models), "description": "the served model's id (/v1/models); another is a 404"},
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable({"$ref": REF.format(model="StreamOptions")}),
         "priority": _nullable({"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1],
@@ -202,8 +202,8 @@ def _own_fields(chat: bool, model: str) -> dict[str, dict]:
     return fields
 
 
-def request_schema(body: type[BaseModel], chat: bool, model: str) -> dict:
-    sampling, own = _sampling_fields(), _own_fields(chat, model)
+def request_schema(body: type[BaseModel], chat: bool, models: tuple[str, ...]) -> dict:
+    sampling, own = _sampling_fields(), _own_fields(chat, models)
     props = {}
     for name, field in body.model_fields.items():
         if name in REFUSED:
@@ -232,7 +232,7 @@ def _needs(field: str, kind: str, flag: str) -> dict:
             "then": {"required": [flag], "properties": {flag: {"const": True}}}}
 
 
-def _components(model: str) -> dict[str, dict]:
+def _components(models: tuple[str, ...]) -> dict[str, dict]:
     """Every body's schema under components/schemas, nested models included."""
     out: dict[str, dict] = {}
 
@@ -250,8 +250,8 @@ def _components(model: str) -> dict[str, dict]:
     out["ChatMessage"]["properties"]["content"] = {
         "anyOf": [{"type": "string"}, text_parts, {"type": "null"}],
         "description": "a string, or content parts that are all text (joined)"}
-    out["CompletionRequest"] = request_schema(CompletionRequest, chat=False, model=model)
-    out["ChatRequest"] = request_schema(ChatRequest, chat=True, model=model)
+    out["CompletionRequest"] = request_schema(CompletionRequest, chat=False, models=models)
+    out["ChatRequest"] = request_schema(ChatRequest, chat=True, models=models)
     return out
 
 
@@ -279,9 +279,9 @@ def _generate_operation(request: str, whole: str, chunk: str) -> dict:
         model=request)}}}}, "responses": {"200": ok, **_errors(400, 401, 404, 413, 429, 500, 503, 504)}}
 
 
-def install_openapi(app: FastAPI, model: str) -> None:
-    """``app.openapi()`` (and /openapi.json) returns the full document, built once; ``model``: the
-    served model's id."""
+def install_openapi(app: FastAPI, models: tuple[str, ...]) -> None:
+    """``app.openapi()`` (and /openapi.json) returns the full document, built once; ``models``: the
+    ids a request may name (the served name, and what the engines load)."""
 
     def build() -> dict:
         if app.openapi_schema is None:
@@ -289,7 +289,7 @@ def install_openapi(app: FastAPI, model: str) -> None:
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422, never sent
                 schemas.pop(unused, None)
-            schemas.update(_components(model))
+            schemas.update(_components(models))
             paths = doc["paths"]
             paths["/v1/completions"]["post"].update(_generate_operation("CompletionRequest", "Completion",
                                                                         "Completion"))
