@@ -79,8 +79,9 @@ def decode_metadata(table: BlockTable, rows: torch.Tensor, positions: torch.Tens
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Callable, backend: AttentionBackend, kv_caches: list, table: BlockTable, block_size: int,
-                 max_num_seqs: int, max_model_len: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, forward: Callable, backend: AttentionBackend, kv_caches: list, table: BlockTable,
+                 block_size: int, max_num_seqs: int, max_model_len: int, vocab_size: int,
+                 device: torch.device) -> None:
         self.forward = forward
         """Called like the model: eager modules, or the compiled decoder (captured the same way)."""
         self.backend = backend

@@ -79,6 +79,9 @@ class ModelRunner:
         self.compiled: CompiledDecoder | None = None
         if config.compile_model and not config.enforce_eager and self.group.world_size == 1:
             self.compiled = CompiledDecoder(self.model)
+        self.decoder: Callable = (self.model if self.compiled is None
+                                  else functools.partial(self.compiled, backend=self.backend))
+        """What runs the model, called like it: the compiled decoder where there is one, else the modules."""
         self.num_layers = arch.num_layers
         # The CPU kernel library draws the sampler's random numbers too, bit for bit as torch would.
         cpu_kernels = isinstance(self.backend, CpuAttentionBackend)
@@ -117,11 +120,6 @@ class ModelRunner:
         chunks, _ = dummy_prefill(num_tokens, 1, self.max_model_len, self.block_size)
         _, input_ids, positions, meta, logits_idx = build_step_inputs(chunks, self.block_size, self.device)
         self._forward(input_ids, positions, meta, logits_idx)
-
-    @property
-    def decoder(self) -> Callable:
-        """What runs the model, called like it: the compiled decoder where there is one, else the modules."""
-        return self.model if self.compiled is None else functools.partial(self.compiled, backend=self.backend)
 
     def _forward(self, input_ids, positions, meta, logits_idx):
         self.backend.plan(meta)
