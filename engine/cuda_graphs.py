@@ -91,12 +91,10 @@ class DecodeGraphs:
         self.batches = batch_buckets(max_num_seqs)
         self.contexts = context_buckets(max_model_len) if backend.graph_context_buckets else [max_model_len]
         top = self.batches[-1]
-        # Three buffers, not rows of one: a compiled model sees inputs at storage offset 0, as in
-        # eager steps, and inference tensors, so no graph input adds a compiled variant of its own.
+        # Inference tensors, as eager steps' inputs are: a compiled model guards on the difference.
         with torch.inference_mode():
-            self._ids = torch.zeros(top, dtype=torch.int64, device=device)
-            self._positions = torch.zeros(top, dtype=torch.int64, device=device)
-            self._rows = torch.full((top,), table.pad_row, dtype=torch.int64, device=device)
+            self._inputs = torch.zeros(3, top, dtype=torch.int64, device=device)  # ids, positions, table rows
+            self._inputs[2] = table.pad_row
         self._sample_all = torch.arange(top, device=device)
         self._logits = torch.empty(top, vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -119,8 +117,7 @@ class DecodeGraphs:
         pad = key.batch - len(chunks)
         host = torch.tensor([[c.token_ids[0] for c in chunks] + [0] * pad, [c.start for c in chunks] + [0] * pad,
                              rows + [self.table.pad_row] * pad], dtype=torch.int64)
-        for buffer, values in zip((self._ids, self._positions, self._rows), host):
-            buffer[:key.batch].copy_(values, non_blocking=True)
+        self._inputs[:, :key.batch].copy_(host, non_blocking=True)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -129,7 +126,7 @@ class DecodeGraphs:
         return self._logits[:len(chunks)]
 
     def _forward(self, key: GraphKey) -> None:
-        ids, positions, rows = self._ids[:key.batch], self._positions[:key.batch], self._rows[:key.batch]
+        ids, positions, rows = self._inputs[:, :key.batch]
         meta = decode_metadata(self.table, rows, positions, key.context, self.block_size)
         self.backend.plan(meta)
         logits = self.forward(ids, positions, self.kv_caches, meta, self._sample_all[:key.batch])
@@ -141,9 +138,9 @@ class DecodeGraphs:
         before = torch.cuda.memory_reserved()
         pool = None
         for key in sorted(self.keys, reverse=True):
-            self._ids[:key.batch] = 0
-            self._positions[:key.batch] = 0
-            self._rows[:key.batch] = self.table.pad_row
+            self._inputs[0, :key.batch] = 0
+            self._inputs[1, :key.batch] = 0
+            self._inputs[2, :key.batch] = self.table.pad_row
             self._forward(key)  # warm-up: lazy library set-up must not happen inside a capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

@@ -105,8 +105,9 @@ class CompiledDecoder:
         self._hidden = torch.compile(model.hidden_states, dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids, positions, kv_caches, meta, logits_indices, backend):
-        # Eager steps pass rows of one packed tensor. A storage offset is a size dynamo guards on, and
-        # captured decode steps pass offset 0: one layout for all keeps one compiled variant for all.
+        # Eager steps and captured decode steps pass rows of one packed tensor, at offsets that vary
+        # with the token count. A storage offset is a size dynamo guards on: copies at offset 0 keep
+        # one compiled variant for all (inside a CUDA graph the copy is one tiny captured kernel).
         input_ids, positions = (t if t.storage_offset() == 0 else t.clone() for t in (input_ids, positions))
         with step_context(backend, meta, self.packed_layers):
             hidden = self._hidden(input_ids, positions, kv_caches, None)
