@@ -20,7 +20,6 @@ import torch
 
 from engine.attention import create_backend
 from engine.attention.block_table import BlockTable
-from engine.attention.cpu import CpuAttentionBackend, load_kernel
 from engine.attention.metadata import build_step_inputs
 from engine.config import EngineConfig
 from engine.cpu_features import fast_bf16
@@ -83,9 +82,7 @@ class ModelRunner:
                                   else functools.partial(self.compiled, backend=self.backend))
         """What runs the model, called like it: the compiled decoder where there is one, else the modules."""
         self.num_layers = arch.num_layers
-        # The CPU kernel library draws the sampler's random numbers too, bit for bit as torch would.
-        cpu_kernels = isinstance(self.backend, CpuAttentionBackend)
-        self.sampler = Sampler(load_kernel().hashed_uniform) if cpu_kernels else Sampler()
+        self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.group.world_size == 1
                            and self.backend.supports_cuda_graphs)

@@ -2,13 +2,14 @@
 
 Everything is a tensor op over the batch; per-request Python happens only to build the
 parameter tensors. Random draws are batch-invariant: request ``r`` drawing its ``p``-th output
-token uses Gumbel noise that is a pure hash of (seed_r, p, token id), so a seeded request gets
-the same tokens alone, in any batch, and after being preempted and recomputed.
+token inverts its distribution's CDF at one uniform that is a pure hash of (seed_r, p), so a
+seeded request gets the same tokens alone, in any batch, and after being preempted and
+recomputed. One draw per row, not per vocabulary entry: Gumbel noise over the vocabulary cost
+~4 ms a step at 16 x 49k on CPU, a softmax and a scan ~1 ms.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,9 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[N, vocab]`` uniforms in (0, 1), a splitmix64 hash of (seed, position, token id)."""
-    tok = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    x = (seeds * _GOLDEN + positions * _POS_MUL).unsqueeze(1) + tok.unsqueeze(0) * _GOLDEN
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[N]`` float64 uniforms in (0, 1), a splitmix64 hash of (seed, position)."""
+    x = seeds * _GOLDEN + positions * _POS_MUL
     x = (x ^ _shr(x, 30)) * _MUL1
     x = (x ^ _shr(x, 27)) * _MUL2
     x = x ^ _shr(x, 31)
@@ -53,7 +53,7 @@ class SamplingBatch:
     seeds: torch.Tensor
     positions: torch.Tensor
     all_greedy: bool
-    any_random: bool
+    all_random: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
@@ -87,7 +87,7 @@ class SamplingBatch:
             seeds=seeds,
             positions=positions,
             all_greedy=all(t == 0.0 for t in temps),
-            any_random=any(t > 0.0 for t in temps),
+            all_random=all(t > 0.0 for t in temps),
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(p > 0.0 for p in min_p),
@@ -99,10 +99,6 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, uniform: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = hashed_uniform) -> None:
-        """``uniform``: ``hashed_uniform`` or an op that returns the same bits (the CPU kernel library's)."""
-        self.uniform = uniform
-
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[dict[int, float] | None]]:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if batch.any_logit_bias:
@@ -122,19 +118,30 @@ class Sampler:
         return token_list, logprobs
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy = None if b.all_random else logits.argmax(dim=-1)
         temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
         scaled = logits / temp.unsqueeze(1)
         if b.any_top_k or b.any_top_p:
             scaled = _top_k_top_p(scaled, b)
+        # Unnormalised weights, in place (each new batch-sized tensor costs its page faults on CPU):
+        # the row's best token weighs 1, so min_p's floor is min_p itself.
+        weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
         if b.any_min_p:
-            probs = torch.softmax(scaled, dim=-1)
-            floor = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            scaled = scaled.masked_fill(probs < floor, float("-inf"))
-        # In place: the same ops as -log(-log(u)), without three batch-sized temporaries.
-        gumbel = self.uniform(b.seeds, b.positions, scaled.shape[1]).log_().neg_().log_().neg_().to(scaled.dtype)
-        sampled = (scaled + gumbel).argmax(dim=-1)
-        return torch.where(b.temperature > 0, sampled, greedy_tokens)
+            weights.masked_fill_(weights < b.min_p.unsqueeze(1), 0.0)
+        sampled = inverse_cdf(weights, hashed_uniform(b.seeds, b.positions))
+        return sampled if greedy is None else torch.where(b.temperature > 0, sampled, greedy)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative mass exceeds ``u`` of the row's total.
+
+    ``probs`` (float32, overwritten by its running sum) need not be normalised: filtered tokens
+    carry 0 and are never chosen, since the token found always adds mass."""
+    cdf = probs.cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    # u < 1, but u * total may round to total; capped one step below, the search stays in the row.
+    target = torch.minimum(u.to(cdf.dtype).unsqueeze(1) * total, total * (1 - 2.0 ** -24))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

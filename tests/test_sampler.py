@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import apply_penalties, hashed_uniform
+from engine.sampler import Sampler, SamplingBatch, apply_penalties, hashed_uniform, inverse_cdf
 
 
 def _prompts(n, seed=0):
@@ -60,13 +60,67 @@ def test_unseeded_sampling_varies_and_stays_in_top_k(llm):
 
 
 def test_hashed_uniform_is_uniform_and_deterministic():
-    seeds = torch.tensor([1, 2, 3], dtype=torch.int64)
-    pos = torch.tensor([0, 5, 9], dtype=torch.int64)
-    u = hashed_uniform(seeds, pos, 50_000)
-    assert torch.equal(u, hashed_uniform(seeds, pos, 50_000))
+    seeds = torch.arange(50_000, dtype=torch.int64) * 7919 - 2**40
+    pos = torch.arange(50_000, dtype=torch.int64) % 300
+    u = hashed_uniform(seeds, pos)
+    assert torch.equal(u, hashed_uniform(seeds, pos))
     assert 0.0 < u.min().item() and u.max().item() < 1.0
     assert abs(u.mean().item() - 0.5) < 0.01
-    assert not torch.equal(u[0], u[1])
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    assert (counts - 5_000).abs().max() < 300  # ~4 sigma of a binomial(50k, 0.1)
+    assert hashed_uniform(seeds[:1], pos[:1] + 1).item() != u[0].item()
+
+
+def _batch(temperature, **filters):
+    n = len(temperature)
+    t = torch.tensor(temperature, dtype=torch.float32)
+    top_k = torch.tensor(filters.get("top_k", [0] * n))
+    top_p = torch.tensor(filters.get("top_p", [1.0] * n))
+    min_p = torch.tensor(filters.get("min_p", [0.0] * n))
+    return SamplingBatch(
+        requests=[None] * n, temperature=t, top_k=top_k, top_p=top_p, min_p=min_p,
+        seeds=torch.arange(n, dtype=torch.int64) * 1_000_003, positions=torch.full((n,), 3),
+        all_greedy=False, all_random=bool((t > 0).all()), any_top_k=bool((top_k > 0).any()),
+        any_top_p=bool((top_p < 1).any()), any_min_p=bool((min_p > 0).any()), any_penalty=False,
+        any_min_tokens=False, any_logit_bias=False, max_logprobs=None)
+
+
+def test_samples_follow_the_tempered_distribution():
+    """4,000 rows of one distribution, each with its own seed: frequencies match softmax(l / T)."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -30.0, 1.5, -0.5])
+    rows = 4_000
+    for temp in (1.0, 0.5):
+        tokens, _ = Sampler()(logits.repeat(rows, 1), _batch([temp] * rows))
+        freq = torch.bincount(torch.tensor(tokens), minlength=8).float() / rows
+        want = torch.softmax(logits / temp, dim=-1)
+        sigma = (want * (1 - want) / rows).sqrt()
+        assert ((freq - want).abs() <= 4 * sigma + 1e-3).all(), (temp, freq, want)
+
+
+def test_filters_are_respected_and_greedy_rows_stay_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000) * 2
+    batch = _batch([1.0, 1.0, 1.0, 0.0, 2.0, 1.0], top_k=[5, 0, 0, 0, 0, 3], top_p=[1.0, 0.3, 1.0, 1.0, 1.0, 0.9],
+                   min_p=[0.0, 0.0, 0.2, 0.0, 0.0, 0.0])
+    for seed_shift in range(20):
+        batch.positions = torch.full((6,), seed_shift)
+        tokens, _ = Sampler()(logits, batch)
+        assert tokens[0] in logits[0].topk(5).indices.tolist()
+        probs = torch.softmax(logits[1], -1)
+        ordered = probs.sort(descending=True)
+        nucleus = ordered.indices[:int((ordered.values.cumsum(0) - ordered.values < 0.3).sum())]
+        assert tokens[1] in nucleus.tolist()
+        p2 = torch.softmax(logits[2], -1)
+        assert p2[tokens[2]] >= 0.2 * p2.max()
+        assert tokens[3] == logits[3].argmax().item()
+        assert tokens[5] in logits[5].topk(3).indices.tolist()
+
+
+def test_inverse_cdf_never_lands_on_a_token_without_mass():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.0], [0.25, 0.0, 0.0, 0.0, 0.0]])
+    for u in (1e-12, 0.4999, 0.5, 1 - 2.0 ** -53):  # the last rounds to 1.0 in float32
+        got = inverse_cdf(probs.clone(), torch.full((3,), u, dtype=torch.float64)).tolist()
+        assert got[0] == (1 if u < 0.5 else 3) and got[1:] == [2, 0], (u, got)
 
 
 def test_penalties_match_a_naive_implementation():

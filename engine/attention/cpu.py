@@ -9,9 +9,8 @@ than keys stored like values). Requests that read cached context (decodes, chunk
 cached prefix) go to the kernel (``csrc/paged_attention.cpp``), which walks each request's
 block table: no per-layer gather, no padding to the longest context. First chunks attend to
 their own new K/V with torch's fused CPU flash-attention (SDPA, causal), one call per request:
-they are compute-bound. The same library writes each step's K/V into its slots and draws the
-sampler's random numbers (``csrc/sampling.cpp``): both were small torch ops that cost more
-than their work.
+they are compute-bound. The same library writes each step's K/V into its slots: ``index_put_`` on
+the head-major view cost ~10x the kernel's time.
 
 The library is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` into
 ``$SLOTSERVE_CACHE/kernels`` (default ``~/.cache/slotserve/kernels``) the first time a process
@@ -39,7 +38,7 @@ from engine.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "sampling.cpp"))
+SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.cpp",)
 # -ffast-math at compile time only: it lets the compiler vectorize reductions and expf; linked
 # without it, the library does not switch the process to flush-to-zero.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -76,8 +75,8 @@ def compiler_problem() -> str | None:
 
 @cache
 def load_kernel():
-    """``torch.ops.slotserve_cpu`` (``paged_attention``, ``write_kv``, ``hashed_uniform``), building the
-    library first if needed."""
+    """``torch.ops.slotserve_cpu`` (``paged_attention``, ``write_kv``), building the library first if
+    needed."""
     from torch.utils.cpp_extension import load
     name = kernel_name()
     build = kernel_dir() / name
