@@ -45,6 +45,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = pb.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.json_schema is not None:
+        sampling.structured_outputs.json = args.json_schema
+    elif args.regex is not None:
+        sampling.structured_outputs.regex = args.regex
+    elif args.choice:
+        sampling.structured_outputs.choice.values.extend(args.choice)
     request = pb.GenerateRequest(sampling=sampling, model=args.model or "")
     if args.chat:
         request.messages.messages.add(role="user", content=args.prompt)
@@ -225,6 +231,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     g.add_argument("--seed", type=int)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", help="hold the output to this JSON schema (JSON text)")
+    shape.add_argument("--regex", help="hold the output to this regular expression")
+    shape.add_argument("--choice", action="append", help="the output is one of these strings (repeat the flag)")
     g.add_argument("--model", help="model id (default: the served one)")
     g.add_argument("--timeout", type=float, help="deadline in seconds; the request is aborted when it passes")
     g.add_argument("--api-key", help="API key (default: $SLOTSERVE_API_KEY)")

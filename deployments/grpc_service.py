@@ -71,6 +71,10 @@ def generate_input(msg: pb.GenerateRequest) -> GenerateInput:
         sampling["ignore_eos"] = True
     if s.logit_bias:
         sampling["logit_bias"] = dict(s.logit_bias)
+    kind = s.structured_outputs.WhichOneof("kind") if s.HasField("structured_outputs") else None
+    if kind is not None:
+        value = getattr(s.structured_outputs, kind)
+        sampling["structured_outputs"] = {kind: list(value.values) if kind == "choice" else value}
     which = msg.WhichOneof("input")
     return GenerateInput(
         prompt=msg.prompt if which == "prompt" else None,

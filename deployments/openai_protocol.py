@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from deployments.errors import BadRequest
 from deployments.requests import GenerateInput, Messages, bad_request
 from deployments.textstream import TextDelta, TokenLogprob, Usage
-from engine.validation import Bool, field_errors
+from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutputs, check as check_grammar
+from engine.validation import Bool, Str, field_errors
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
-                "include_stop_str_in_output", "logit_bias")
+                "include_stop_str_in_output", "logit_bias", "structured_outputs")
 REFUSED = {  # field: (the values served, why others are not)
     "n": ((None, 1), "one completion per request"),
     "echo": ((None, False), "the prompt is not echoed back"),
@@ -32,8 +34,39 @@ REFUSED = {  # field: (the values served, why others are not)
     "suffix": ((None, ""), "insertion (suffix) is not supported"),
     "tools": ((None, []), "tool calling is not implemented"),
     "tool_choice": ((None, "none"), "tool calling is not implemented"),
-    "response_format": ((None, {"type": "text"}), "only {'type': 'text'}: structured output is not implemented"),
 }
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema`` (what ``client.chat.completions.parse`` sends)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: Str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: Str | None = None
+    strict: Bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+    def structured(self) -> dict | None:
+        """The ``structured_outputs`` it asks for (None: plain text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_}
+        return None
 
 
 class StreamOptions(BaseModel):
@@ -70,6 +103,10 @@ class _Request(BaseModel):
     include_stop_str_in_output: Any = None
     n: Any = None
     logit_bias: Any = None
+    response_format: ResponseFormat | None = None
+    """OpenAI's structured output: text, any JSON object, or JSON under a schema."""
+    structured_outputs: Any = None
+    """vLLM's: exactly one of json (a schema), regex, choice, grammar (Lark) or json_object."""
     # no effect on the output
     user: Any = None
     store: Any = None
@@ -100,10 +137,32 @@ class _Request(BaseModel):
             raise ValueError(f"is not supported ({why})")
         return value
 
+    @field_validator("response_format")
+    @classmethod
+    def _followable(cls, fmt: ResponseFormat | None) -> ResponseFormat | None:
+        # Checked here, so an unusable schema is named as the client sent it.
+        if fmt is not None and fmt.type == "json_schema":
+            try:
+                check_grammar(StructuredOutputs(json=fmt.json_schema.schema_))
+            except InvalidRequestError as exc:
+                problem = str(exc).split("cannot be followed: ", 1)[-1]
+                raise ValueError(f"json_schema.schema cannot be followed: {problem}") from None
+        return fmt
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value: Any, info: ValidationInfo) -> Any:
+        fmt = info.data.get("response_format")
+        if value is not None and fmt is not None and fmt.type != "text":
+            raise ValueError("and response_format both constrain the output: give one of them")
+        return value
+
     def sampling(self) -> dict[str, Any]:
         fields = {k: getattr(self, k) for k in _PASSTHROUGH if getattr(self, k) is not None}
         if self.max_tokens is not None:
             fields["max_tokens"] = self.max_tokens
+        if self.response_format is not None and self.response_format.structured() is not None:
+            fields["structured_outputs"] = self.response_format.structured()
         return fields
 
     @property
@@ -142,7 +201,6 @@ class ChatRequest(_Request):
     max_completion_tokens: Any = None
     logprobs: Bool | None = None
     top_logprobs: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
 

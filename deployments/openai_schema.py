@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, TypeAdapter
 
-from deployments.openai_protocol import REFUSED, ChatRequest, CompletionRequest, StreamOptions
+from deployments.openai_protocol import REFUSED, ChatRequest, CompletionRequest, ResponseFormat, StreamOptions
 from deployments.requests import PRIORITY_RANGE, Messages
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -165,7 +165,7 @@ def _nullable(schema: dict) -> dict:
 def _sampling_fields() -> dict[str, dict]:
     """Each sampling field's type and bounds as SamplingParams checks them; null means its default.
     (Its docstrings are written for maintainers, so they stay out.)"""
-    props = TypeAdapter(SamplingParams).json_schema()["properties"]
+    props = TypeAdapter(SamplingParams).json_schema(ref_template=REF)["properties"]
     out = {}
     for name, schema in props.items():
         schema = {k: v for k, v in schema.items() if k not in ("default", "title", "description")}
@@ -184,6 +184,7 @@ def _own_fields(chat: bool, models: tuple[str, ...]) -> dict[str, dict]:
         "model": {"enum": list(models), "description": "the served model's id (/v1/models); another is a 404"},
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable({"$ref": REF.format(model="StreamOptions")}),
+        "response_format": _nullable({"$ref": REF.format(model="ResponseFormat")}),
         "priority": _nullable({"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1],
                                "description": "lower is scheduled first (vLLM's priority scheduling)"}),
     }
@@ -241,8 +242,9 @@ def _components(models: tuple[str, ...]) -> dict[str, dict]:
         out[name] = schema
 
     for body in (Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, ErrorBody, Health,
-                 StreamOptions):
+                 StreamOptions, ResponseFormat):
         add(body.__name__, body.model_json_schema(ref_template=REF))
+    out.update(TypeAdapter(SamplingParams).json_schema(ref_template=REF).get("$defs", {}))
     add("Messages", TypeAdapter(Messages).json_schema(ref_template=REF))
     text_parts = {"type": "array", "items": {"type": "object", "required": ["type", "text"],
                                              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}

@@ -17,7 +17,9 @@ from typing import Annotated, Any, Mapping, Sequence
 from pydantic import Field, SkipValidation, TypeAdapter, ValidationError, field_validator
 
 from deployments.errors import BadRequest
+from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
+from engine.structured import check as check_grammar
 from engine.tokenizer import ChatMessage
 from engine.validation import FieldError, Float, Int, Str, Text, field_errors, validated
 
@@ -183,6 +185,12 @@ def build_sampling_params(fields: Mapping[str, Any], *, num_prompt_tokens: int, 
                          f"model's context is {max_model_len}: at most {room} tokens can be generated",
                          param="max_tokens")
     try:
-        return _SAMPLING.validate_python(values)
+        params = _SAMPLING.validate_python(values)
     except ValidationError as exc:
         raise bad_request(field_errors(exc, SamplingParams)) from None
+    if params.structured_outputs is not None:  # here, not at a replica: a 400 before any routing
+        try:
+            check_grammar(params.structured_outputs)
+        except InvalidRequestError as exc:
+            raise BadRequest(str(exc), param=f"structured_outputs.{params.structured_outputs.kind}") from None
+    return params

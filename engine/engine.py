@@ -22,11 +22,12 @@ from engine.config import EngineConfig
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.kv.block_manager import BlockManager
 from engine.model import ModelArch
-from engine.outputs import FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
+from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured import GrammarBook
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 256
@@ -42,6 +43,15 @@ def _generation_eos_ids(path: Path) -> set[int]:
     except (OSError, json.JSONDecodeError):
         return set()
     return set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+
+
+def _grammar_step(req: Request, tok: int) -> str | None:
+    """Advance a request's grammar by its sampled token: "stop" once the grammar is complete."""
+    if not req.matcher.consume_token(tok):  # the mask allowed it: only a library fault lands here
+        logger.error("request %s: token %d refused by its grammar (%s); ending it", req.request_id, tok,
+                     req.matcher.get_error())
+        return FINISH_ABORT
+    return FINISH_STOP if req.matcher.is_stopped() else None
 
 
 class LLMEngine:
@@ -72,6 +82,7 @@ class LLMEngine:
         self.max_total_tokens = min(self.max_model_len, self.runner.num_blocks * bs)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_total_tokens)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids | _generation_eos_ids(self.model_path))
+        self.grammars = GrammarBook(self.model_path, self.arch.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self._rng = random.Random(config.model.seed)
@@ -155,6 +166,8 @@ class LLMEngine:
         req = Request(request_id, prompt, params, priority, next(self._seq), self.max_total_tokens, seed,
                       self.eos_token_ids, arrival_time)
         req.token_ids.extend(resumed)
+        if params.structured_outputs is not None:
+            req.matcher = self.grammars.matcher(params.structured_outputs, resumed)
         req.record(req.timing.arrival_time, "queued", self.scheduler.num_waiting, len(self.scheduler.running))
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -234,7 +247,10 @@ class LLMEngine:
         reason = None
         if n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
             reason, req.stop_token_id = FINISH_STOP, tok
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= req.max_total_tokens:
+        elif req.matcher is not None:
+            reason = _grammar_step(req, tok)
+        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                               or req.num_tokens >= req.max_total_tokens):
             reason = FINISH_LENGTH
         if reason is not None:
             self.finish(req, reason, now)

@@ -84,7 +84,7 @@ def worst_case_sampling(rows: int, device: torch.device):
         top_p=torch.full((rows,), 0.9, **f32), min_p=torch.full((rows,), 0.05, **f32),
         seeds=torch.arange(rows, **i64), positions=torch.zeros(rows, **i64), all_greedy=False, all_random=True,
         any_top_k=True, any_top_p=True, any_min_p=True, any_penalty=False, any_min_tokens=False,
-        any_logit_bias=False, max_logprobs=None)
+        any_logit_bias=False, any_structured=False, max_logprobs=None)
 
 
 def measure_peak(step: Callable[[], object], device: torch.device) -> int:

@@ -27,7 +27,7 @@ class Request:
         "request_id", "params", "priority", "seq_no", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
-        "max_total_tokens", "seed", "eos_token_ids",
+        "max_total_tokens", "seed", "eos_token_ids", "matcher",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -51,6 +51,8 @@ class Request:
         self.max_total_tokens = max_total_tokens
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.matcher = None
+        """The grammar's state (``engine.structured``) when the request has ``structured_outputs``."""
 
     @property
     def prompt_token_ids(self) -> list[int]:

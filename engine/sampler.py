@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.structured import mask_logits
 
 
 
@@ -60,6 +61,7 @@ class SamplingBatch:
     any_penalty: bool
     any_min_tokens: bool
     any_logit_bias: bool
+    any_structured: bool
     max_logprobs: int | None
 
     @classmethod
@@ -94,6 +96,7 @@ class SamplingBatch:
             any_penalty=any(p.uses_penalties for p in ps),
             any_min_tokens=any(r.num_output_tokens < r.params.min_tokens for r in requests),
             any_logit_bias=any(p.logit_bias for p in ps),
+            any_structured=any(r.matcher is not None for r in requests),
             max_logprobs=max(lp) if lp else None,
         )
 
@@ -107,6 +110,9 @@ class Sampler:
             logits = apply_penalties(logits, batch.requests)
         if batch.any_min_tokens:
             logits = suppress_stop_tokens(logits, batch.requests)
+        if batch.any_structured:
+            logits = logits.clone()
+            mask_logits(logits, batch.requests)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
@@ -204,7 +210,7 @@ def suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch
     rows, cols = [], []
     vocab = logits.shape[1]
     for i, r in enumerate(requests):
-        if r.num_output_tokens < r.params.min_tokens:
+        if r.num_output_tokens < r.params.min_tokens and r.matcher is None:  # a grammar says when it ends
             ids = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if t < vocab]
             rows.extend([i] * len(ids))
             cols.extend(ids)

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutputs
 from engine.validation import Bool, Float, Int, Text, validated
 
 MAX_LOGPROBS = 20
@@ -55,6 +56,8 @@ class SamplingParams:
         None, max_length=MAX_LOGIT_BIAS)
     """Token id -> a bias added to its logit before sampling, -100 to 100 as OpenAI's (-100 bans the
     token, 100 all but forces it). The engine checks the ids against the model's vocabulary."""
+    structured_outputs: StructuredOutputs | None = None
+    """Hold the output to a JSON schema, a regex, a choice or a grammar (``engine.structured``)."""
 
     @field_validator("logit_bias", mode="before")
     @classmethod

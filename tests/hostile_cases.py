@@ -19,6 +19,8 @@ DROP = object()  # a field to leave out of the default body
 _SAMPLING = {f.name for f in pb.SamplingOptions.DESCRIPTOR.fields}
 _INPUTS = ("prompt", "messages", "prompt_token_ids")
 USER = [{"role": "user", "content": "hi"}]
+UNSATISFIABLE = {"type": "string", "minLength": 5, "maxLength": 2}
+HUGE_SCHEMA = '{"enum": [' + ", ".join(f'"{i:08d}"' for i in range(7000)) + ']}'
 
 
 def g(**fields) -> dict:
@@ -230,7 +232,30 @@ KINDS = [
     K("suffix", None, c(suffix="x"), param="suffix"),
     K("tools", None, ch(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
     K("tool-choice", None, ch(tool_choice="auto"), param="tool_choice"),
-    K("response-format-json", None, ch(response_format={"type": "json_object"}), param="response_format"),
+    # -- structured outputs ---------------------------------------------------------------------
+    K("response-format-unknown-type", None, ch(response_format={"type": "xml"}), param="response_format.type"),
+    K("response-format-schema-missing", None, ch(response_format={"type": "json_schema"}), param="response_format",
+      needle="json_schema is required"),
+    K("response-format-unsatisfiable", None,
+      ch(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": UNSATISFIABLE}}),
+      param="response_format", needle="Unsatisfiable"),
+    K("schema-wrong-type", g(structured_outputs={"json": '{"type": "strin"}'}),
+      c(structured_outputs={"json": {"type": "strin"}}), param="structured_outputs.json", needle="strin"),
+    K("schema-not-json", g(structured_outputs={"json": "{type"}), c(structured_outputs={"json": "{type"}),
+      param="structured_outputs", needle="JSON schema"),
+    # Over HTTP the same schema is over this service's body limit first (a 413, tested above).
+    K("schema-huge", g(structured_outputs={"json": HUGE_SCHEMA}), None, param="structured_outputs",
+      needle="the limit is"),
+    K("regex-unclosed", g(structured_outputs={"regex": "[a-"}), c(structured_outputs={"regex": "[a-"}),
+      param="structured_outputs.regex", needle="unclosed"),
+    K("grammar-undefined-rule", g(structured_outputs={"grammar": "start: foo"}),
+      ch(structured_outputs={"grammar": "start: foo"}), param="structured_outputs.grammar", needle="foo"),
+    K("choice-empty", None, c(structured_outputs={"choice": []}), param="structured_outputs.choice"),
+    K("two-constraints", None, c(structured_outputs={"regex": "a", "choice": ["a"]}), param="structured_outputs",
+      needle="exactly one"),
+    K("constraint-and-response-format", None,
+      ch(structured_outputs={"regex": "a"}, response_format={"type": "json_object"}), param="structured_outputs",
+      needle="give one of them"),
     K("unknown-field", None, c(frobnicate=1), param="frobnicate"),
     K("chat-field-on-completions", None, c(messages=USER), param="messages", needle="unknown field"),
 ]

@@ -82,7 +82,7 @@ def _batch(temperature, **filters):
         seeds=torch.arange(n, dtype=torch.int64) * 1_000_003, positions=torch.full((n,), 3),
         all_greedy=False, all_random=bool((t > 0).all()), any_top_k=bool((top_k > 0).any()),
         any_top_p=bool((top_p < 1).any()), any_min_p=bool((min_p > 0).any()), any_penalty=False,
-        any_min_tokens=False, any_logit_bias=False, max_logprobs=None)
+        any_min_tokens=False, any_logit_bias=False, any_structured=False, max_logprobs=None)
 
 
 def test_samples_follow_the_tempered_distribution():

@@ -137,6 +137,41 @@ def test_logit_bias_over_both_protocols_matches_the_offline_llm(service, tiny_mo
     assert done.choices[0].text == want.text and done.usage.completion_tokens == 6
 
 
+def test_structured_outputs_over_both_protocols(service, capsys):
+    """The openai SDK's ``parse`` with a pydantic model, a streamed json_schema, vLLM's ``structured_outputs``
+    over HTTP, and gRPC (the message and the CLI): every output follows its constraint."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pick(BaseModel):
+        color: Literal["red", "green", "blue"]
+        count: int = Field(ge=0, le=9)
+
+    client = service.openai()
+    messages = [{"role": "user", "content": "pick one"}]
+    done = client.chat.completions.parse(model="tiny", messages=messages, response_format=Pick, max_tokens=200,
+                                         seed=1)
+    assert isinstance(done.choices[0].message.parsed, Pick)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=200, seed=2, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}})
+    assert set(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices))) == {"ok"}
+    picked = client.completions.create(model="tiny", prompt="x", max_tokens=50, seed=3,
+                                       extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert picked.choices[0].text in ("left", "right") and picked.choices[0].finish_reason == "stop"
+    out = service.generate(prompt="x", sampling=pb.SamplingOptions(
+        max_tokens=50, seed=4, structured_outputs=pb.StructuredOutputs(regex="[a-f]{4}")))
+    assert len("".join(m.text for m in out)) == 4 and out[-1].finish_reason == pb.FINISH_REASON_STOP
+    from deployments.cli import main
+
+    assert main(["generate", "--target", f"127.0.0.1:{service.grpc_port}", "--max-tokens", "50",
+                 "--choice", "up", "--choice", "down", "x"]) == 0
+    assert capsys.readouterr().out.strip() in ("up", "down")
+
+
 def test_load_spreads_and_prefers_the_cached_prefix(service):
     before = {r.replica_id: r.num_finished for r in service.replicas()}
     assert len(before) == 2

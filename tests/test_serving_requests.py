@@ -155,7 +155,7 @@ def test_chat_body():
     assert parsed.input.default_max_tokens is None  # chat uses the server's default
     for body, needle in [({"model": "m"}, "messages is required"),
                          ({"model": "m", "messages": [], "tools": [{"type": "function"}]}, "tool"),
-                         ({"model": "m", "messages": [], "response_format": {"type": "json_object"}}, "response_format"),
+                         ({"model": "m", "messages": [], "response_format": {"type": "json"}}, "response_format"),
                          ({"model": "m", "messages": [], "top_logprobs": 2}, "logprobs=true")]:
         with pytest.raises(BadRequest, match=needle):
             parse_chat_body(body)

@@ -1,0 +1,150 @@
+"""Structured outputs: a request's tokens held to a JSON schema, a regex, a choice or a grammar.
+
+The grammar library is llguidance (one wheel, no dependencies; vLLM ships it as one of its
+two backends). Each constrained request gets an ``LLMatcher``: before a step samples, the
+matcher writes the request's allowed tokens into a bitmask row and the sampler masks the
+logits with it; after, the sampled token advances the matcher. Requests without a grammar
+pay nothing: the sampler only looks for matchers when a row has one.
+
+A grammar stays right across preemption (the tokens it consumed stay the request's) and on
+resume (the resumed tokens are consumed when the request is added). When the grammar is
+complete the matcher allows only EOS, and the request ends with finish reason "stop".
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from engine.errors import InvalidRequestError
+from engine.validation import Bool, Text, validated
+
+MAX_SPEC_CHARS = 64 * 1024
+"""Longest schema, regex or grammar accepted (its JSON text, for a schema)."""
+MAX_CHOICES = 256
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@validated(InvalidRequestError)
+class StructuredOutputs:
+    """vLLM's ``structured_outputs``: exactly one of the constraints below."""
+
+    json: dict[str, Any] | Text | None = None
+    """A JSON schema, as an object or as its JSON text."""
+    regex: Text | None = Field(None, min_length=1, max_length=MAX_SPEC_CHARS)
+    choice: tuple[Text, ...] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    """The output is one of these strings."""
+    grammar: Text | None = Field(None, min_length=1, max_length=MAX_SPEC_CHARS)
+    """A Lark grammar (llguidance's syntax; GBNF is accepted too)."""
+    json_object: Bool | None = None
+    """true: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of {', '.join(KINDS)} (got {', '.join(given) or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"json must be a JSON schema, as an object or its JSON text ({exc})") from None
+            if not isinstance(schema, dict):
+                raise ValueError("json must be a JSON schema: an object, not a JSON " + type(schema).__name__)
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            if len(text) > MAX_SPEC_CHARS:
+                raise ValueError(f"json schema has {len(text)} characters; the limit is {MAX_SPEC_CHARS}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, its text): what the compiled grammar is cached under."""
+        value = getattr(self, self.kind)
+        if self.kind == "json_object":
+            return "json", '{"type": "object"}'
+        if self.kind == "choice":
+            return "choice", json.dumps(list(value))
+        return self.kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+_FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+@lru_cache(maxsize=512)
+def _grammar(kind: str, text: str) -> str:
+    """llguidance's grammar for a constraint, checked; raises ValueError saying what is wrong."""
+    import llguidance
+    from llguidance import LLMatcher
+
+    grammar = llguidance.grammar_from(_FORMATS[kind], text)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError("; ".join(str(m).strip() for m in messages) or "rejected by the grammar compiler")
+    return grammar
+
+
+def check(spec: StructuredOutputs) -> str:
+    """The spec's compiled grammar (cached); raises InvalidRequestError naming the field when it
+    cannot be followed (a bad schema, regex or grammar)."""
+    try:
+        return _grammar(*spec.key())
+    except ValueError as exc:
+        raise InvalidRequestError(f"structured_outputs.{spec.kind} cannot be followed: {exc}") from None
+
+
+class GrammarBook:
+    """Matchers for one model: its tokenizer as llguidance sees it, loaded on first use."""
+
+    def __init__(self, model_path: Path, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._path = model_path
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer = None
+
+    def _lltokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+            from engine.tokenizer import load_tokenizer
+
+            try:
+                hf = load_tokenizer(self._path).hf
+            except Exception as exc:  # noqa: BLE001 - said as the request's error
+                raise InvalidRequestError(f"structured_outputs need the model's tokenizer, which did not load: "
+                                          f"{exc}") from None
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self._vocab_size, eos_token=self._eos or None)
+        return self._tokenizer
+
+    def matcher(self, spec: StructuredOutputs, consumed: list[int]):
+        """A new matcher for ``spec`` that has already consumed ``consumed`` (resumed tokens)."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._lltokenizer(), check(spec))
+        if matcher.is_error():
+            raise InvalidRequestError(f"structured_outputs.{spec.kind}: {matcher.get_error()}")
+        if consumed and not matcher.consume_tokens(consumed):
+            raise InvalidRequestError(f"resume_token_ids do not follow structured_outputs.{spec.kind}: "
+                                      f"{matcher.get_error()}")
+        return matcher
+
+
+def mask_logits(logits, requests) -> None:
+    """Each constrained row of ``logits`` (in place) limited to the tokens its matcher allows."""
+    import llguidance.torch as llt
+    import torch
+
+    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+    bitmask = llt.allocate_token_bitmask(len(rows), logits.shape[1])
+    for j, i in enumerate(rows):
+        llt.fill_next_token_bitmask(requests[i].matcher, bitmask, j)
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index)
+    llt.apply_token_bitmask_inplace(masked, bitmask.to(logits.device))
+    logits.index_copy_(0, index, masked)
