@@ -38,8 +38,9 @@ def _run(llm, prompts: list[list[int]], share: float, max_tokens: int) -> dict:
 
     def timed_mask(logits, requests):
         t = time.perf_counter()
-        real_mask(logits, requests)
+        masked = real_mask(logits, requests)
         mask_s[0] += time.perf_counter() - t
+        return masked
 
     sampler.mask_logits = timed_mask
     engine = llm.engine

@@ -43,7 +43,8 @@ class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     name: Str = Field(min_length=1, max_length=64)
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """Absent: any JSON (as OpenAI and vLLM read it)."""
     description: Str | None = None
     strict: Bool | None = None
 
@@ -62,7 +63,7 @@ class ResponseFormat(BaseModel):
 
     def structured(self) -> dict | None:
         """The ``structured_outputs`` it asks for (None: plain text)."""
-        if self.type == "json_object":
+        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.schema_ is None):
             return {"json_object": True}
         if self.type == "json_schema":
             return {"json": self.json_schema.schema_}
@@ -141,7 +142,7 @@ class _Request(BaseModel):
     @classmethod
     def _followable(cls, fmt: ResponseFormat | None) -> ResponseFormat | None:
         # Checked here, so an unusable schema is named as the client sent it.
-        if fmt is not None and fmt.type == "json_schema":
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema.schema_ is not None:
             try:
                 check_grammar(StructuredOutputs(json=fmt.json_schema.schema_))
             except InvalidRequestError as exc:

@@ -47,7 +47,7 @@ def _generation_eos_ids(path: Path) -> set[int]:
 
 def _grammar_step(req: Request, tok: int) -> str | None:
     """Advance a request's grammar by its sampled token: "stop" once the grammar is complete."""
-    if not req.matcher.consume_token(tok):  # the mask allowed it: only a library fault lands here
+    if not req.matcher.consume_token(tok):  # its mask allowed only EOS: the matcher failed (a limit hit)
         logger.error("request %s: token %d refused by its grammar (%s); ending it", req.request_id, tok,
                      req.matcher.get_error())
         return FINISH_ABORT
@@ -245,10 +245,10 @@ class LLMEngine:
         n_out = req.num_output_tokens
         p = req.params
         reason = None
-        if n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
-            reason, req.stop_token_id = FINISH_STOP, tok
-        elif req.matcher is not None:
+        if req.matcher is not None:
             reason = _grammar_step(req, tok)
+        if reason != FINISH_ABORT and n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
+            reason, req.stop_token_id = FINISH_STOP, tok
         if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
                                or req.num_tokens >= req.max_total_tokens):
             reason = FINISH_LENGTH

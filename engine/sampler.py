@@ -24,6 +24,9 @@ def _i64(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy: dividing by them overflows float32 logits (as in vLLM)."""
+
 _GOLDEN, _MUL1, _MUL2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
 _POS_MUL = _i64(0xD1B54A32D192ED03)
 
@@ -88,8 +91,8 @@ class SamplingBatch:
             min_p=min_p_t,
             seeds=seeds,
             positions=positions,
-            all_greedy=all(t == 0.0 for t in temps),
-            all_random=all(t > 0.0 for t in temps),
+            all_greedy=all(t < SAMPLING_EPS for t in temps),
+            all_random=all(t >= SAMPLING_EPS for t in temps),
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
             any_min_p=any(p > 0.0 for p in min_p),
@@ -104,15 +107,16 @@ class SamplingBatch:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[dict[int, float] | None]]:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        if batch.any_structured:
+            # First: on a GPU nothing before it waits for the forward, so the host fills the
+            # grammar masks while the device still computes the logits.
+            logits = mask_logits(logits, batch.requests)
         if batch.any_logit_bias:
             logits = apply_logit_bias(logits, batch.requests)
         if batch.any_penalty:
             logits = apply_penalties(logits, batch.requests)
         if batch.any_min_tokens:
             logits = suppress_stop_tokens(logits, batch.requests)
-        if batch.any_structured:
-            logits = logits.clone()
-            mask_logits(logits, batch.requests)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
@@ -125,8 +129,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         greedy = None if b.all_random else logits.argmax(dim=-1)
-        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-        scaled = logits / temp.unsqueeze(1)
+        hot = b.temperature >= SAMPLING_EPS
+        scaled = logits / torch.where(hot, b.temperature, torch.ones_like(b.temperature)).unsqueeze(1)
         if b.any_top_k or b.any_top_p:
             scaled = _top_k_top_p(scaled, b)
         # Unnormalised weights, in place (each new batch-sized tensor costs its page faults on CPU):
@@ -134,8 +138,9 @@ class Sampler:
         weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
         if b.any_min_p:
             weights.masked_fill_(weights < b.min_p.unsqueeze(1), 0.0)
-        sampled = inverse_cdf(weights, hashed_uniform(b.seeds, b.positions))
-        return sampled if greedy is None else torch.where(b.temperature > 0, sampled, greedy)
+        # A row of NaN (a broken model's logits) finds no token: the last id, never one past it.
+        sampled = inverse_cdf(weights, hashed_uniform(b.seeds, b.positions)).clamp_(max=logits.shape[1] - 1)
+        return sampled if greedy is None else torch.where(hot, sampled, greedy)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingBatch, apply_penalties, hashed_uniform, inverse_cdf
+from engine.sampler import SAMPLING_EPS, Sampler, SamplingBatch, apply_penalties, hashed_uniform, inverse_cdf
 
 
 def _prompts(n, seed=0):
@@ -80,7 +80,7 @@ def _batch(temperature, **filters):
     return SamplingBatch(
         requests=[None] * n, temperature=t, top_k=top_k, top_p=top_p, min_p=min_p,
         seeds=torch.arange(n, dtype=torch.int64) * 1_000_003, positions=torch.full((n,), 3),
-        all_greedy=False, all_random=bool((t > 0).all()), any_top_k=bool((top_k > 0).any()),
+        all_greedy=False, all_random=bool((t >= SAMPLING_EPS).all()), any_top_k=bool((top_k > 0).any()),
         any_top_p=bool((top_p < 1).any()), any_min_p=bool((min_p > 0).any()), any_penalty=False,
         any_min_tokens=False, any_logit_bias=False, any_structured=False, max_logprobs=None)
 
@@ -211,3 +211,14 @@ def test_logit_bias_outside_the_vocabulary_is_refused_naming_it(llm):
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         llm.generate(_prompts(1), SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
     assert llm.generate(_prompts(1), SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_tiny_temperatures_are_greedy_and_broken_rows_stay_in_the_vocabulary():
+    """1e-38 passes validation but overflows l / T: below 1e-5 a row is greedy. A NaN row (a broken
+    model) draws the last id, never one past the vocabulary (which would crash the step)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    logits[2] = float("nan")
+    tokens, _ = Sampler()(logits.clone(), _batch([1e-38, 1.0, 1.0]))
+    assert tokens[0] == logits[0].argmax().item()
+    assert all(0 <= t < 50 for t in tokens)

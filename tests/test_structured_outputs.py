@@ -134,3 +134,49 @@ def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(llm):
     out = llm.generate({"prompt_token_ids": [4, 4]}, SamplingParams(
         temperature=1.0, seed=1, max_tokens=3, structured_outputs={"regex": "a{20}"}))[0].outputs[0]
     assert out.finish_reason == "length" and _text(llm, out) == "a" * len(_text(llm, out))
+
+
+def test_mask_bias_unpacks_llguidance_bitmasks():
+    """Both unpackings (numpy on the host, torch ops on a device, run here on the CPU) against the
+    bitmask's definition, on random words and a vocabulary off a word boundary."""
+    import torch
+
+    from engine.structured import mask_bias
+
+    words = torch.randint(-2**31, 2**31 - 1, (5, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(5, 1270)
+    want = logits.clone()
+    for r, row in enumerate(words.tolist()):
+        for t in range(1270):
+            if not (row[t // 32] >> (t % 32)) & 1:  # bit t % 32 of word t // 32 (Python's >> keeps the sign)
+                want[r, t] = float("-inf")
+    for numpy in (True, False):
+        assert torch.equal(logits + mask_bias(words, 1270, numpy=numpy), want)
+
+
+def test_a_schema_object_keeps_its_key_order(llm):
+    """The order a schema declares its properties in is the order they are generated in (models
+    are asked for reasoning before answers): an object schema is not re-serialized sorted."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    for seed in range(2):
+        o = llm.generate({"prompt_token_ids": [3, 1, seed]}, SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=200, structured_outputs={"json": schema}))[0].outputs[0]
+        text = _text(llm, o)
+        assert o.finish_reason == "stop" and list(json.loads(text)) == ["zeta", "alpha"], text
+
+
+def test_without_a_usable_tokenizer_constrained_requests_are_refused(tmp_path):
+    from tests.factories import make_model_dir
+
+    bare = LLM(str(make_model_dir(tmp_path, "llama", seed=1, with_tokenizer=False)), dtype="float32",
+               block_size=8, num_kv_blocks=64)
+    for _ in range(2):  # the second is refused from the remembered reason
+        with pytest.raises(InvalidRequestError, match="need the model's tokenizer"):
+            bare.engine.add_request([1, 2], SamplingParams(structured_outputs={"regex": "a+"}))
+    assert len(bare.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def test_schema_text_nested_past_the_parser_is_a_clear_error():
+    with pytest.raises(InvalidRequestError, match="JSON schema"):
+        SamplingParams(structured_outputs={"json": "[" * 100_000 + "]" * 100_000})
