@@ -157,7 +157,8 @@ _NEG_INF_BITS = -(1 << 23)
 
 
 def mask_logits(logits, requests):
-    """``logits`` with each constrained row limited to the tokens its matcher allows (a new tensor)."""
+    """Each constrained row of ``logits`` limited to the tokens its matcher allows, in place (so the
+    step's peak memory stays the sampler's filters', which the memory budget measures)."""
     import llguidance.torch as llt
     import torch
 
@@ -170,8 +171,8 @@ def mask_logits(logits, requests):
         bitmask, index = (t.pin_memory().to(logits.device, non_blocking=True) for t in (bitmask, index))
     bias = mask_bias(bitmask, logits.shape[1])
     if len(rows) == logits.shape[0]:
-        return logits + bias
-    return logits.index_copy(0, index, logits.index_select(0, index) + bias)
+        return logits.add_(bias)
+    return logits.index_copy_(0, index, logits.index_select(0, index).add_(bias))
 
 
 def mask_bias(bitmask, vocab: int, numpy: bool | None = None):
