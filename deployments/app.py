@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import PurePath
-from typing import Annotated, Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from ray import serve
@@ -138,6 +138,9 @@ class AppConfig(BaseModel):
     max_prompt_tokens: Int | None = Field(None, ge=1)
     max_prompt_chars: Int = Field(2_000_000, ge=1)
     default_max_tokens: Int = Field(256, ge=1)
+    tool_call_parser: Literal["hermes", "llama3_json"] = "hermes"
+    """How the served model writes tool calls (vLLM's ``--tool-call-parser``): ``hermes`` for
+    Hermes / Qwen / SmolLM and models given slotserve's tool prompt, ``llama3_json`` for Llama 3."""
     request_timeout_s: Float | None = Field(None, gt=0)
     max_body_bytes: Int = Field(8 * 1024 * 1024, ge=1)
     api_keys: tuple[Str, ...] = Field((), repr=False)
@@ -242,7 +245,8 @@ def frontend_config(cfg: AppConfig) -> FrontendConfig:
     return FrontendConfig(served_model_name=cfg.model_name, model=cfg.model, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_prompt_chars=cfg.max_prompt_chars, default_max_tokens=cfg.default_max_tokens,
                           request_timeout_s=cfg.request_timeout_s, api_keys=cfg.api_keys,
-                          api_keys_file=cfg.api_keys_file, ingress_replicas=cfg.ingress.num_replicas)
+                          api_keys_file=cfg.api_keys_file, ingress_replicas=cfg.ingress.num_replicas,
+                          tool_call_parser=cfg.tool_call_parser)
 
 
 def _autoscaling_config(cfg: AppConfig):

@@ -13,7 +13,7 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 from deployments.admission import Admission, ApiKeys
 from deployments.engine_client import EngineClient, EngineStream
@@ -59,6 +59,8 @@ class FrontendConfig:
     """One key per line (``#`` comments); re-read when it changes, so keys rotate without a restart."""
     ingress_replicas: int = 1
     """This ingress admits its share of the streams all engine replicas can hold."""
+    tool_call_parser: str = "hermes"
+    """How the model writes tool calls (``deployments.tools.PARSERS``): as vLLM's ``--tool-call-parser``."""
 
 
 class _Inflight:
@@ -142,11 +144,12 @@ class Frontend:
         check_text(name, text, self.config.max_prompt_chars)
         return list(self.tokenizer.encode(text))
 
-    def tokenize_messages(self, messages: Sequence[ChatMessage] | Sequence[dict]) -> list[int]:
+    def tokenize_messages(self, messages: Sequence[ChatMessage] | Sequence[dict],
+                          tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         parsed = parse_messages(messages)
         check_messages_length(parsed, self.config.max_prompt_chars)
         try:
-            ids = self.tokenizer.apply_chat_template(parsed, add_generation_prompt=True)
+            ids = self.tokenizer.apply_chat_template(parsed, add_generation_prompt=True, tools=tools)
         except InvalidRequestError as exc:
             raise BadRequest(str(exc), param="messages") from None
         except (ValueError, KeyError, TypeError) as exc:
@@ -174,7 +177,7 @@ class Frontend:
             ids = await self.off_loop(len(inp.prompt), self.tokenize_text, inp.prompt)
         elif inp.messages is not None:
             size = sum(len(m.content) for m in inp.messages)
-            ids = await self.off_loop(size, self.tokenize_messages, inp.messages)
+            ids = await self.off_loop(size, self.tokenize_messages, inp.messages, inp.tools)
         else:
             check_vocab(inp.prompt_token_ids, info["vocab_size"])
             ids = list(inp.prompt_token_ids)

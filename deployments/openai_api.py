@@ -23,7 +23,8 @@ from starlette.requests import ClientDisconnect
 
 from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
 from deployments.frontend import Frontend
-from deployments.openai_protocol import ParsedBody, ResponseBuilder, parse_chat_body, parse_completion_body
+from deployments.openai_protocol import ParsedBody, parse_chat_body, parse_completion_body
+from deployments.openai_responses import ResponseBuilder
 from deployments.openai_schema import install_openapi
 from deployments.tracing import trace_headers
 
@@ -159,12 +160,15 @@ class OpenAIRoutes:
         try:
             self.frontend.authorize(request.headers.get("authorization"))
             body = await _read_json(request, self.max_body_bytes)
-            parsed = (parse_chat_body if chat else parse_completion_body)(body, request.headers.get("x-request-id"))
+            rid = request.headers.get("x-request-id")
+            parsed = (parse_chat_body(body, rid, self.frontend.config.tool_call_parser) if chat
+                      else parse_completion_body(body, rid))
             audit = _wants_audit(request.headers.get(AUDIT_HEADER), parsed)
             # Passed beside the input, not into it: a copy would validate the whole body again.
             prepared = await self.frontend.prepare(parsed.input, span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
-            builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name)
+            builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name,
+                                      parsed.tool_parser)
             headers = _id_headers(request, prepared)
             if parsed.stream:
                 return await self._stream(prepared, parsed, builder, span, audit, headers)

@@ -1,16 +1,15 @@
-"""OpenAI request bodies in, OpenAI-shaped responses out (completions and chat).
+"""OpenAI request bodies (completions and chat); the responses are ``deployments.openai_responses``.
 
 The request bodies are pydantic models: every error is a ``BadRequest`` naming the
 field as OpenAI's ``param`` (``messages.0.role``). vLLM's extra sampling fields (top_k,
 min_p, repetition_penalty, seed, ignore_eos, min_tokens, stop_token_ids, priority, ...)
 are accepted next to OpenAI's and checked by ``SamplingParams``; fields that would
-change the meaning of a request but are not served (n > 1, tools, echo, ...) are refused
+change the meaning of a request but are not served (n > 1, echo, ...) are refused
 by name instead of being silently ignored.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -18,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from deployments.errors import BadRequest
 from deployments.requests import GenerateInput, Messages, bad_request
-from deployments.textstream import TextDelta, TokenLogprob, Usage
+from deployments.tools import MAX_TOOLS, ToolChoice, ToolDef, forced_grammar
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutputs, check as check_grammar
 from engine.validation import Bool, Str, field_errors
@@ -32,8 +31,6 @@ REFUSED = {  # field: (the values served, why others are not)
     "echo": ((None, False), "the prompt is not echoed back"),
     "best_of": ((None, 1), "one candidate per request"),
     "suffix": ((None, ""), "insertion (suffix) is not supported"),
-    "tools": ((None, []), "tool calling is not implemented"),
-    "tool_choice": ((None, "none"), "tool calling is not implemented"),
 }
 
 
@@ -113,7 +110,6 @@ class _Request(BaseModel):
     store: Any = None
     metadata: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
 
     @field_validator("model")
     @classmethod
@@ -202,8 +198,40 @@ class ChatRequest(_Request):
     max_completion_tokens: Any = None
     logprobs: Bool | None = None
     top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: tuple[ToolDef, ...] | None = Field(None, max_length=MAX_TOOLS)
+    """Functions the model may call (OpenAI's form); its calls come back as ``tool_calls``."""
+    tool_choice: ToolChoice | None = None
+    """none, auto (the default with tools), required, or {"type": "function", "function": {"name"}}."""
+    parallel_tool_calls: Bool | None = None
+    """Whether one reply may hold several calls (default true)."""
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: tuple[ToolDef, ...] | None) -> tuple[ToolDef, ...] | None:
+        names = [t.function.name for t in tools or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"function names must be distinct; repeated: {', '.join(twice)}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_tool(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        tools = info.data.get("tools") or ()
+        if choice in ("required",) or not isinstance(choice, (str, type(None))):
+            if not tools:
+                raise ValueError("needs tools to choose from")
+        if not isinstance(choice, (str, type(None))) and choice.function.name not in [t.function.name for t in tools]:
+            raise ValueError(f"names {choice.function.name!r}, which is not among the tools")
+        return choice
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_a_call(self) -> bool:
+        return self.uses_tools and self.tool_choice not in (None, "auto")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -234,6 +262,8 @@ class ParsedBody:
     input: GenerateInput
     stream: bool
     include_usage: bool
+    tool_parser: str | None = None
+    """Set when the reply is read for tool calls (``deployments.tools``): the parser's name."""
 
 
 def _validate(model: type[_Request], body: Any) -> _Request:
@@ -260,99 +290,22 @@ def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBod
     return ParsedBody(inp, bool(req.stream), req.include_usage)
 
 
-def parse_chat_body(body: Any, request_id: str | None = None) -> ParsedBody:
+def parse_chat_body(body: Any, request_id: str | None = None, tool_parser: str = "hermes") -> ParsedBody:
     req = _validate(ChatRequest, body)
-    inp = GenerateInput(messages=req.messages, sampling=req.sampling(), model=req.model, request_id=request_id,
-                        priority=req.priority_or_default)
-    return ParsedBody(inp, bool(req.stream), req.include_usage)
-
-
-# -- responses -------------------------------------------------------------------------
-
-def usage_json(usage: Usage | None) -> dict | None:
-    if usage is None:
-        return None
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
-
-
-def completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
-    if logprobs is None:
-        return None
-    offsets, pos = [], text_offset
-    for lp in logprobs:
-        offsets.append(pos)
-        pos += len(lp.token)
-    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{tok: top_lp for _, top_lp, tok in lp.top} for lp in logprobs],
-            "text_offset": offsets}
-
-
-def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
-    if logprobs is None:
-        return None
-
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, l) for _, l, t in lp.top]}
-                        for lp in logprobs]}
-
-
-class ResponseBuilder:
-    """Builds the JSON objects of one response (whole or streamed chunks)."""
-
-    def __init__(self, chat: bool, request_id: str, model: str) -> None:
-        self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.model = model
-        self.created = int(time.time())
-        self._text_offset = 0
-
-    def _envelope(self, obj: str, choices: list, usage: Usage | None, with_usage: bool) -> dict:
-        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-        if with_usage:
-            out["usage"] = usage_json(usage)
-        return out
-
-    def whole(self, deltas: list[TextDelta]) -> dict:
-        text = "".join(d.text for d in deltas)
-        last = deltas[-1]
-        logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": chat_logprobs(logprobs), "finish_reason": last.finish_reason}
-            return self._envelope("chat.completion", [choice], last.usage, True)
-        choice = {"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
-                  "finish_reason": last.finish_reason}
-        return self._envelope("text_completion", [choice], last.usage, True)
-
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant's role; completions have no such chunk."""
-        if not self.chat:
-            return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return self._envelope("chat.completion.chunk", [choice], None, False)
-
-    def chunk(self, delta: TextDelta, include_usage: bool) -> dict:
-        if self.chat:
-            body = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-            choice = {"index": 0, "delta": body, "logprobs": chat_logprobs(_list(delta.logprobs)),
-                      "finish_reason": delta.finish_reason}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta.text,
-                      "logprobs": completion_logprobs(_list(delta.logprobs), self._text_offset),
-                      "finish_reason": delta.finish_reason}
-            self._text_offset += len(delta.text)
-            obj = "text_completion"
-        # with include_usage, every chunk carries "usage": null and a last chunk carries the totals
-        return self._envelope(obj, [choice], None, include_usage)
-
-    def usage_chunk(self, usage: Usage | None) -> dict:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage, True)
-
-
-def _list(logprobs) -> list | None:
-    return None if logprobs is None else list(logprobs)
+    sampling = req.sampling()
+    if req.forces_a_call:
+        if "structured_outputs" in sampling:
+            raise BadRequest("tool_choice forces a call, which response_format or structured_outputs would "
+                             "constrain too: give one of them", param="tool_choice")
+        forced = forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls is not False, tool_parser)
+        try:
+            check_grammar(StructuredOutputs(**forced))
+        except InvalidRequestError as exc:
+            problem = str(exc).split("cannot be followed: ", 1)[-1]
+            raise BadRequest(f"tools: the chosen functions' parameters cannot be followed: {problem}",
+                             param="tools") from None
+        sampling["structured_outputs"] = forced
+    tools = tuple(t.model_dump(exclude_none=True) for t in req.tools) if req.uses_tools else None
+    inp = GenerateInput(messages=req.messages, sampling=sampling, tools=tools, model=req.model,
+                        request_id=request_id, priority=req.priority_or_default)
+    return ParsedBody(inp, bool(req.stream), req.include_usage, tool_parser if req.uses_tools else None)

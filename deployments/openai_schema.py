@@ -24,6 +24,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from deployments.openai_protocol import REFUSED, ChatRequest, CompletionRequest, ResponseFormat, StreamOptions
 from deployments.requests import PRIORITY_RANGE, Messages
+from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolDef
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 
 REF = "#/components/schemas/{model}"
@@ -85,9 +86,26 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class CalledFunctionOut(BaseModel):
+    name: str
+    arguments: str
+    """A JSON object, as text."""
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunctionOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -109,6 +127,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -185,6 +204,10 @@ def _own_fields(chat: bool, models: tuple[str, ...]) -> dict[str, dict]:
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable({"$ref": REF.format(model="StreamOptions")}),
         "response_format": _nullable({"$ref": REF.format(model="ResponseFormat")}),
+        "tools": _nullable({"type": "array", "items": {"$ref": REF.format(model="ToolDef")}, "maxItems": MAX_TOOLS}),
+        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                            {"$ref": REF.format(model="NamedToolChoice")}]}),
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
         "priority": _nullable({"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1],
                                "description": "lower is scheduled first (vLLM's priority scheduling)"}),
     }
@@ -242,7 +265,7 @@ def _components(models: tuple[str, ...]) -> dict[str, dict]:
         out[name] = schema
 
     for body in (Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, ErrorBody, Health,
-                 StreamOptions, ResponseFormat):
+                 StreamOptions, ResponseFormat, ToolDef, NamedToolChoice):
         add(body.__name__, body.model_json_schema(ref_template=REF))
     out.update(TypeAdapter(SamplingParams).json_schema(ref_template=REF).get("$defs", {}))
     add("Messages", TypeAdapter(Messages).json_schema(ref_template=REF))

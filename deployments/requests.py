@@ -59,6 +59,8 @@ class GenerateInput:
     messages: Messages | None = None
     prompt_token_ids: tuple[Annotated[Int, Field(ge=0)], ...] | None = Field(None, min_length=1)
     sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    tools: SkipValidation[tuple[Mapping[str, Any], ...] | None] = None
+    """OpenAI function definitions for the chat template (checked by the protocol that sent them)."""
     model: SkipValidation[str | None] = None
     """Checked against the served names: one that is not served is NOT_FOUND, whatever it holds."""
     request_id: Str | None = Field(None, max_length=MAX_REQUEST_ID_CHARS)

@@ -54,29 +54,88 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of `messages`."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows a request's tools to the model itself."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text the model's chat template makes of `messages` (and `tools`, OpenAI's
+        function definitions: given to templates that render them, else described in a system
+        message in the Hermes format that ``deployments.tools`` parses back)."""
         if not self.has_chat_template:
             raise InvalidRequestError(
                 f"model {self.name!r} has no chat template: send a plain prompt (completions API) instead"
             )
-        clean = normalize_messages(messages)
+        native = self.renders_tools
+        clean = normalize_messages(messages, native_tools=native)
+        extra = {}
+        if tools and native:
+            extra["tools"] = list(tools)
+        elif tools:
+            clean = with_tool_prompt(clean, tools)
         from jinja2 import TemplateError
 
         try:
             return self.hf.apply_chat_template(
-                clean, tokenize=False, add_generation_prompt=add_generation_prompt
+                clean, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except TemplateError as exc:
             # Templates raise to reject conversations they cannot render (e.g. role order).
             raise InvalidRequestError(f"messages rejected by the chat template: {exc}") from exc
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         # The template writes its own special tokens; adding BOS again would double it.
         return self.encode(text, add_special_tokens=False)
+
+
+TOOL_PROMPT = (
+    "You may call one or more functions to assist with the user query. The functions you may call are "
+    "described in <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a JSON "
+    'object with the function name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n'
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+"""How tools are described to a model whose template does not render them (the Hermes / Qwen form)."""
+
+
+def with_tool_prompt(messages: list[dict], tools: Sequence[Mapping[str, Any]]) -> list[dict]:
+    text = TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+@validated(InvalidRequestError, extra="ignore")
+class CalledFunction:
+    name: Text = Field(min_length=1, max_length=64)
+    arguments: Text = Field("{}", max_length=1 << 20)
+    """A JSON object, as text (OpenAI's form)."""
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):
+            raise ValueError("must be a JSON object, as text") from None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object, as text")
+        return arguments
+
+    def parsed(self) -> dict:
+        return json.loads(self.arguments)
+
+
+@validated(InvalidRequestError, extra="ignore")
+class ToolCall:
+    function: CalledFunction
+    id: Text = Field("", max_length=256)
+    type: Literal["function"] = "function"
 
 
 @validated(InvalidRequestError, extra="ignore")  # OpenAI's other message fields (name, ...) change nothing here
@@ -84,6 +143,10 @@ class ChatMessage:
     role: Literal[CHAT_ROLES]
     content: Text = ""
     """A string, or OpenAI's content parts when they are all text (joined)."""
+    tool_calls: tuple[ToolCall, ...] | None = Field(None, max_length=128)
+    """An assistant's calls, as a response gave them (``arguments`` a JSON text)."""
+    tool_call_id: Text | None = Field(None, max_length=256)
+    """A ``tool`` message's answer to this call."""
 
     @field_validator("content", mode="before")
     @classmethod
@@ -103,11 +166,24 @@ class _Conversation:
     messages: tuple[ChatMessage, ...] = Field(min_length=1)
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Validated chat messages (dicts or ``ChatMessage``) as the plain {"role", "content"}
-    dicts templates render; errors name the field (``messages.1.role``)."""
-    return [{"role": _TEMPLATE_ROLE.get(m.role, m.role), "content": m.content}
-            for m in _Conversation(messages=messages).messages]
+def normalize_messages(messages: Any, native_tools: bool = True) -> list[dict[str, Any]]:
+    """Validated chat messages (dicts or ``ChatMessage``) as the plain dicts templates render; errors
+    name the field (``messages.1.role``). An assistant's tool calls go to templates that render them
+    with their arguments as objects (as they expect); others get them as Hermes text."""
+    out = []
+    for m in _Conversation(messages=messages).messages:
+        message: dict[str, Any] = {"role": _TEMPLATE_ROLE.get(m.role, m.role), "content": m.content}
+        if m.tool_calls and native_tools:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.parsed()}} for c in m.tool_calls]
+        elif m.tool_calls:
+            message["content"] = "\n".join([m.content] * bool(m.content) + [
+                f'<tool_call>\n{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}'
+                f"\n</tool_call>" for c in m.tool_calls])
+        if m.tool_call_id is not None and native_tools:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

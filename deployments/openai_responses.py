@@ -1,0 +1,118 @@
+"""OpenAI-shaped responses: whole bodies and streamed chunks of completions and chat, tool calls
+read back out of the reply (``deployments.tools``)."""
+
+from __future__ import annotations
+
+import time
+
+from deployments.textstream import TextDelta, TokenLogprob, Usage
+from deployments.tools import ToolCalls, ToolStream, parse_tool_calls
+
+
+def usage_json(usage: Usage | None) -> dict | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
+    if logprobs is None:
+        return None
+    offsets, pos = [], text_offset
+    for lp in logprobs:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{tok: top_lp for _, top_lp, tok in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
+    if logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, l) for _, l, t in lp.top]}
+                        for lp in logprobs]}
+
+
+class ResponseBuilder:
+    """Builds the JSON objects of one response (whole or streamed chunks)."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, tool_parser: str | None = None) -> None:
+        """``tool_parser``: the reply is read for tool calls in this syntax (``deployments.tools``)."""
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+        self._text_offset = 0
+        self._tool_parser = tool_parser
+        self._tools = ToolStream(tool_parser) if tool_parser else None
+
+    def _envelope(self, obj: str, choices: list, usage: Usage | None, with_usage: bool) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if with_usage:
+            out["usage"] = usage_json(usage)
+        return out
+
+    def whole(self, deltas: list[TextDelta]) -> dict:
+        text = "".join(d.text for d in deltas)
+        last = deltas[-1]
+        logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
+        if self.chat:
+            parsed = parse_tool_calls(text, self._tool_parser) if self._tool_parser else ToolCalls(text)
+            message = {"role": "assistant", "content": parsed.content}
+            if parsed.calls:
+                message["tool_calls"] = parsed.calls
+            choice = {"index": 0, "message": message, "logprobs": chat_logprobs(logprobs),
+                      "finish_reason": _finish(last.finish_reason, parsed)}
+            return self._envelope("chat.completion", [choice], last.usage, True)
+        choice = {"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
+                  "finish_reason": last.finish_reason}
+        return self._envelope("text_completion", [choice], last.usage, True)
+
+    def first_chunk(self) -> dict | None:
+        """Chat streams open with the assistant's role; completions have no such chunk."""
+        if not self.chat:
+            return None
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice], None, False)
+
+    def chunk(self, delta: TextDelta, include_usage: bool) -> dict:
+        if self.chat:
+            text, finish, calls = delta.text, delta.finish_reason, []
+            if self._tools is not None:
+                text = self._tools.push(delta.text)
+                if finish is not None:
+                    parsed = self._tools.finish()
+                    text, calls, finish = text + (parsed.content or ""), parsed.calls, _finish(finish, parsed)
+            body = {"content": text} if text or not finish else {}
+            if calls:  # each call whole, in one delta (OpenAI clients accept a call in one piece or many)
+                body["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            choice = {"index": 0, "delta": body, "logprobs": chat_logprobs(_list(delta.logprobs)),
+                      "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta.text,
+                      "logprobs": completion_logprobs(_list(delta.logprobs), self._text_offset),
+                      "finish_reason": delta.finish_reason}
+            self._text_offset += len(delta.text)
+            obj = "text_completion"
+        # with include_usage, every chunk carries "usage": null and a last chunk carries the totals
+        return self._envelope(obj, [choice], None, include_usage)
+
+    def usage_chunk(self, usage: Usage | None) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage, True)
+
+
+def _finish(reason: str | None, parsed: ToolCalls) -> str | None:
+    """OpenAI's ``tool_calls`` when a reply that ended on its own holds calls."""
+    return "tool_calls" if parsed.calls and reason == "stop" else reason
+
+
+def _list(logprobs) -> list | None:
+    return None if logprobs is None else list(logprobs)

@@ -1,0 +1,175 @@
+"""Tool calling on the chat API: the request's tools, the calls a model writes, parsed back.
+
+A model is given the tools by its chat template (or, when the template has no place for them,
+by a system message in the Hermes form: ``engine.tokenizer.TOOL_PROMPT``) and writes its calls
+in its family's syntax; a parser per family turns them into OpenAI's ``tool_calls``:
+
+- ``hermes`` (Hermes, Qwen 2.5/3, SmolLM, and any model given the Hermes prompt):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call;
+- ``llama3_json`` (Llama 3.1-3.3): the whole reply is ``{"name": ..., "parameters": {...}}``.
+
+``tool_choice: "required"`` or a named function is enforced with a grammar (structured outputs),
+so the reply always parses; ``"auto"`` parses what the model chose to write; ``"none"`` leaves
+the reply as text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.validation import Bool, Str
+
+PARSERS = ("hermes", "llama3_json")
+MAX_TOOLS = 128
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_HERMES_OPEN = "<tool_call>"
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object (absent: no arguments)."""
+    strict: Bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _Name(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"]
+    function: _Name
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def _call_schema(tool: ToolDef, arguments_key: str) -> dict:
+    params = tool.function.parameters or {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": tool.function.name}, arguments_key: params},
+            "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def forced_grammar(tools: tuple[ToolDef, ...], choice: ToolChoice, parallel: bool, parser: str) -> dict:
+    """``structured_outputs`` that make the reply one call (or, with ``parallel``, one or more) of the
+    chosen tool(s), in ``parser``'s syntax."""
+    chosen = [t for t in tools if isinstance(choice, str) or t.function.name == choice.function.name]
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    # Fixed separators, as the Hermes and Llama formats write them: any whitespace would be allowed
+    # otherwise, and the call is re-serialized anyway.
+    body = json.dumps({"anyOf": [_call_schema(t, key) for t in chosen],
+                       "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}})
+    if parser == "llama3_json":
+        return {"grammar": f"start: %json {body}"}
+    repeat = "+" if parallel else ""
+    return {"grammar": f'start: (call "\\n"?){repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
+                       f"body: %json {body}"}
+
+
+@dataclass
+class ToolCalls:
+    """A reply split into its text and its calls (OpenAI's ``tool_calls`` entries)."""
+
+    content: str | None
+    calls: list[dict] = field(default_factory=list)
+
+
+def _call(name: Any, arguments: Any) -> dict | None:
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def parse_tool_calls(text: str, parser: str) -> ToolCalls:
+    """The calls in a whole reply; a reply that does not parse stays text (no calls)."""
+    if parser == "llama3_json":
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return ToolCalls(text)
+        call = _call(value.get("name"), value.get("parameters", value.get("arguments"))) \
+            if isinstance(value, dict) else None
+        return ToolCalls(None, [call]) if call else ToolCalls(text)
+    calls = []
+    for block in _HERMES.findall(text):
+        try:
+            value = json.loads(block)
+        except (ValueError, RecursionError):
+            return ToolCalls(text)
+        call = _call(value.get("name"), value.get("arguments")) if isinstance(value, dict) else None
+        if call is None:
+            return ToolCalls(text)
+        calls.append(call)
+    if not calls:
+        return ToolCalls(text)
+    rest = _HERMES.sub("", text).strip()
+    return ToolCalls(rest or None, calls)
+
+
+class ToolStream:
+    """Streamed replies: text goes out as it comes until it may be a call; from there it is held
+    and parsed at the end (OpenAI clients take a call's deltas whole as well as in pieces)."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self._held = ""
+        self._holding = False
+        self._seen = ""
+
+    def push(self, text: str) -> str:
+        """What of ``text`` can be streamed now."""
+        self._seen += text
+        if self._holding:
+            self._held += text
+            return ""
+        if self.parser == "llama3_json":
+            if not self._seen.strip():
+                self._held += text
+                return ""
+            if self._seen.lstrip().startswith("{"):
+                self._holding, self._held = True, self._seen
+                return ""
+            out, self._held = self._held + text, ""
+            return out
+        pending = self._held + text
+        start = pending.find(_HERMES_OPEN)
+        if start >= 0:
+            self._holding, self._held = True, pending[start:]
+            return pending[:start]
+        keep = _partial_suffix(pending, _HERMES_OPEN)
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return pending[:len(pending) - keep]
+
+    def finish(self) -> ToolCalls:
+        """The held text, parsed: its calls, and whatever of it was text after all."""
+        parsed = parse_tool_calls(self._held, self.parser) if self._holding else ToolCalls(self._held or None)
+        return parsed
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (it may be completed next)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
