@@ -71,8 +71,8 @@ def _call_schema(tool: ToolDef, arguments_key: str) -> dict:
 
 
 def forced_grammar(tools: tuple[ToolDef, ...], choice: ToolChoice, parallel: bool, parser: str) -> dict:
-    """``structured_outputs`` that make the reply one call (or, with ``parallel``, one or more) of the
-    chosen tool(s), in ``parser``'s syntax."""
+    """``structured_outputs`` that make the reply one call of the chosen tool(s), in ``parser``'s
+    syntax; with ``required`` and ``parallel``, one or more (a named function is called once)."""
     chosen = [t for t in tools if isinstance(choice, str) or t.function.name == choice.function.name]
     key = "parameters" if parser == "llama3_json" else "arguments"
     # Fixed separators, as the Hermes and Llama formats write them: any whitespace would be allowed
@@ -81,7 +81,7 @@ def forced_grammar(tools: tuple[ToolDef, ...], choice: ToolChoice, parallel: boo
                        "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}})
     if parser == "llama3_json":
         return {"grammar": f"start: %json {body}"}
-    repeat = "+" if parallel else ""
+    repeat = "+" if parallel and choice == "required" else ""
     return {"grammar": f'start: (call "\\n"?){repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
                        f"body: %json {body}"}
 

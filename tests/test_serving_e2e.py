@@ -172,6 +172,17 @@ def test_structured_outputs_over_both_protocols(service, capsys):
     assert capsys.readouterr().out.strip() in ("up", "down")
 
 
+def test_a_forced_tool_call_through_the_served_app(service):
+    from tests.test_tool_calls import USER, WEATHER
+
+    done = service.openai().chat.completions.create(
+        model="tiny", messages=USER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+        max_tokens=120, seed=5)
+    (call,) = done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city", "days"}
+
+
 def test_load_spreads_and_prefers_the_cached_prefix(service):
     before = {r.replica_id: r.num_finished for r in service.replicas()}
     assert len(before) == 2

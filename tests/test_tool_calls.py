@@ -111,6 +111,11 @@ def test_forced_calls_parse_stream_the_same_and_round_trip(frontend):
                                                    tool_choice="required", parallel_tool_calls=False,
                                                    max_tokens=120, seed=6)
         assert [c.function.name for c in one.choices[0].message.tool_calls] in (["get_weather"], ["get_time"])
+        several = await client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME],
+                                                       tool_choice="required", max_tokens=270, seed=7)
+        calls = several.choices[0].message.tool_calls or []
+        assert calls and {c.function.name for c in calls} <= {"get_weather", "get_time"}
+        assert several.choices[0].finish_reason in ("tool_calls", "length")
         history = USER + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                           {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
         answer = await client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER, TIME],
