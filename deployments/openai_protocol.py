@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from deployments.errors import BadRequest
 from deployments.requests import GenerateInput, Messages, bad_request
-from deployments.tools import MAX_TOOLS, ToolChoice, ToolDef, forced_grammar
+from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolDef, forced_grammar
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutputs, check as check_grammar
 from engine.validation import Bool, Str, field_errors
@@ -218,10 +218,10 @@ class ChatRequest(_Request):
     @classmethod
     def _known_tool(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
         tools = info.data.get("tools") or ()
-        if choice in ("required",) or not isinstance(choice, (str, type(None))):
-            if not tools:
-                raise ValueError("needs tools to choose from")
-        if not isinstance(choice, (str, type(None))) and choice.function.name not in [t.function.name for t in tools]:
+        named = isinstance(choice, NamedToolChoice)
+        if (named or choice == "required") and not tools:
+            raise ValueError("needs tools to choose from")
+        if named and choice.function.name not in [t.function.name for t in tools]:
             raise ValueError(f"names {choice.function.name!r}, which is not among the tools")
         return choice
 
