@@ -12,24 +12,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Any, AsyncIterator, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
+from pydantic import ValidationError
 
 from deployments.errors import BadRequest, ServingError, to_serving_error
 from deployments.frontend import Frontend
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
-from deployments.requests import GenerateInput, parse_messages
+from deployments.requests import GenerateInput, bad_request, parse_messages
 from deployments.textstream import TextDelta
+from deployments.tools import FunctionDef, NamedToolChoice, ToolDef, ToolStream, ToolUse, tool_use
 from deployments.tracing import trace_headers
+from engine.validation import FieldError, field_errors
 
 SERVICE_NAME = "slotserve.v1.SlotServe"
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                       "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "seed", "skip_special_tokens")
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+           "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WATCH_PERIOD_S = 5.0
@@ -58,7 +63,39 @@ def metadata(grpc_context, key: str) -> str | None:
     return None
 
 
-def generate_input(msg: pb.GenerateRequest) -> GenerateInput:
+def proto_tools(msg: pb.GenerateRequest, parser: str) -> ToolUse:
+    """A request's tools as ``deployments.tools`` takes them; errors name the field (``tools.0.name``)."""
+    if not msg.tools:
+        if msg.tool_choice not in ("", "none", "auto"):
+            raise BadRequest("tool_choice needs tools to choose from", param="tool_choice")
+        return ToolUse()
+    tools = []
+    for i, t in enumerate(msg.tools):
+        try:
+            parameters = json.loads(t.parameters_json) if t.parameters_json else None
+        except (ValueError, RecursionError):
+            raise BadRequest(f"tools.{i}.parameters_json must be a JSON schema (JSON text)",
+                             param=f"tools.{i}.parameters_json") from None
+        try:
+            function = FunctionDef(name=t.name, description=t.description or None, parameters=parameters)
+        except ValidationError as exc:
+            raise bad_request([FieldError(f"tools.{i}.{e.param or ''}".rstrip("."), f"tools.{i}.{e.message}")
+                               for e in field_errors(exc, FunctionDef)]) from None
+        tools.append(ToolDef(type="function", function=function))
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise BadRequest("tools: function names must be distinct", param="tools")
+    choice = msg.tool_choice or None
+    if choice not in (None, "none", "auto", "required"):
+        if choice not in names:
+            raise BadRequest(f"tool_choice names {choice!r}, which is not among the tools (or none, auto, "
+                             "required)", param="tool_choice")
+        choice = NamedToolChoice(type="function", function={"name": choice})
+    parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else None
+    return tool_use(tuple(tools), choice, parallel, parser, constrained=msg.sampling.HasField("structured_outputs"))
+
+
+def generate_input(msg: pb.GenerateRequest, tools: ToolUse = ToolUse()) -> GenerateInput:
     s = msg.sampling
     sampling: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     if s.stop:
@@ -75,18 +112,45 @@ def generate_input(msg: pb.GenerateRequest) -> GenerateInput:
     if kind is not None:
         value = getattr(s.structured_outputs, kind)
         sampling["structured_outputs"] = {kind: list(value.values) if kind == "choice" else value}
+    if tools.structured_outputs is not None:
+        sampling["structured_outputs"] = tools.structured_outputs
     which = msg.WhichOneof("input")
     return GenerateInput(
         prompt=msg.prompt if which == "prompt" else None,
         messages=_messages(msg.messages) if which == "messages" else None,
         prompt_token_ids=tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
-        sampling=sampling, model=msg.model or None, request_id=msg.request_id or None,
-        priority=msg.priority, timeout_s=msg.timeout_s or None)
+        sampling=sampling, tools=tools.template_tools if which == "messages" else None, model=msg.model or None,
+        request_id=msg.request_id or None, priority=msg.priority, timeout_s=msg.timeout_s or None)
 
 
 def _messages(messages: pb.Messages) -> list[dict]:
     """Plain fields: GenerateInput validates them, naming the bad one (messages.0.role)."""
-    return [{"role": m.role, "content": m.content} for m in messages.messages]
+    out = []
+    for m in messages.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments_json or "{}"}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def with_tool_calls(out: pb.GenerateResponse, delta: TextDelta, stream: ToolStream) -> pb.GenerateResponse:
+    """A response whose text went through ``stream``: held from where a call may begin, the calls
+    parsed out on the last message."""
+    out.text = stream.push(delta.text)
+    if delta.finish_reason is not None:
+        parsed = stream.finish()
+        out.text += parsed.content or ""
+        for call in parsed.calls:
+            out.tool_calls.add(id=call["id"], name=call["function"]["name"],
+                               arguments_json=call["function"]["arguments"])
+        if parsed.calls and delta.finish_reason == "stop":
+            out.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+    return out
 
 
 def delta_to_proto(delta: TextDelta, audit: bool = False) -> pb.GenerateResponse:
@@ -129,12 +193,15 @@ class SlotServeGrpcMixin:
         try:
             self.frontend.authorize(metadata(grpc_context, "authorization"))  # before parsing: no key, no detail
             msg = parse(pb.GenerateRequest, request)
-            prepared = await self.frontend.prepare(generate_input(msg), span.engine_trace_context(client))
+            tools = proto_tools(msg, self.frontend.config.tool_call_parser)
+            prepared = await self.frontend.prepare(generate_input(msg, tools), span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
+            calls = ToolStream(tools.parser) if tools.parser and msg.WhichOneof("input") == "messages" else None
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
                 async for delta in deltas:
                     last = delta
-                    yield delta_to_proto(delta, msg.return_audit)
+                    out = delta_to_proto(delta, msg.return_audit)
+                    yield out if calls is None else with_tool_calls(out, delta, calls)
         except Exception as exc:
             span.end(last, exc)
             self.frontend.metrics.rejected(exc)

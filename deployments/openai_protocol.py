@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from deployments.errors import BadRequest
 from deployments.requests import GenerateInput, Messages, bad_request
-from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolDef, forced_grammar
+from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolDef, tool_use
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutputs, check as check_grammar
 from engine.validation import Bool, Str, field_errors
@@ -225,14 +225,6 @@ class ChatRequest(_Request):
             raise ValueError(f"names {choice.function.name!r}, which is not among the tools")
         return choice
 
-    @property
-    def uses_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def forces_a_call(self) -> bool:
-        return self.uses_tools and self.tool_choice not in (None, "auto")
-
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, top: Any, info: ValidationInfo) -> Any:
@@ -293,19 +285,10 @@ def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBod
 def parse_chat_body(body: Any, request_id: str | None = None, tool_parser: str = "hermes") -> ParsedBody:
     req = _validate(ChatRequest, body)
     sampling = req.sampling()
-    if req.forces_a_call:
-        if "structured_outputs" in sampling:
-            raise BadRequest("tool_choice forces a call, which response_format or structured_outputs would "
-                             "constrain too: give one of them", param="tool_choice")
-        forced = forced_grammar(req.tools, req.tool_choice, req.parallel_tool_calls is not False, tool_parser)
-        try:
-            check_grammar(StructuredOutputs(**forced))
-        except InvalidRequestError as exc:
-            problem = str(exc).split("cannot be followed: ", 1)[-1]
-            raise BadRequest(f"tools: the chosen functions' parameters cannot be followed: {problem}",
-                             param="tools") from None
-        sampling["structured_outputs"] = forced
-    tools = tuple(t.model_dump(exclude_none=True) for t in req.tools) if req.uses_tools else None
-    inp = GenerateInput(messages=req.messages, sampling=sampling, tools=tools, model=req.model,
+    tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser,
+                     constrained="structured_outputs" in sampling)
+    if tools.structured_outputs is not None:
+        sampling["structured_outputs"] = tools.structured_outputs
+    inp = GenerateInput(messages=req.messages, sampling=sampling, tools=tools.template_tools, model=req.model,
                         request_id=request_id, priority=req.priority_or_default)
-    return ParsedBody(inp, bool(req.stream), req.include_usage, tool_parser if req.uses_tools else None)
+    return ParsedBody(inp, bool(req.stream), req.include_usage, tools.parser)

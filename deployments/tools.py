@@ -23,6 +23,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.errors import BadRequest
+from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutputs, check as check_grammar
 from engine.validation import Bool, Str
 
 PARSERS = ("hermes", "llama3_json")
@@ -84,6 +87,36 @@ def forced_grammar(tools: tuple[ToolDef, ...], choice: ToolChoice, parallel: boo
     repeat = "+" if parallel and choice == "required" else ""
     return {"grammar": f'start: (call "\\n"?){repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
                        f"body: %json {body}"}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request's tools change: the grammar of a forced call, the tools the chat template
+    shows, and the parser the reply is read with (None when nothing is read)."""
+
+    structured_outputs: dict | None = None
+    template_tools: tuple[dict, ...] | None = None
+    parser: str | None = None
+
+
+def tool_use(tools: tuple[ToolDef, ...] | None, choice: ToolChoice | None, parallel: bool | None,
+             parser: str, constrained: bool) -> ToolUse:
+    """``constrained``: the request already has response_format or structured_outputs."""
+    if not tools or choice == "none":
+        return ToolUse()
+    forced = None
+    if choice not in (None, "auto"):
+        if constrained:
+            raise BadRequest("tool_choice forces a call, which response_format or structured_outputs would "
+                             "constrain too: give one of them", param="tool_choice")
+        forced = forced_grammar(tools, choice, parallel is not False, parser)
+        try:
+            check_grammar(StructuredOutputs(**forced))
+        except InvalidRequestError as exc:
+            problem = str(exc).split("cannot be followed: ", 1)[-1]
+            raise BadRequest(f"tools: the chosen functions' parameters cannot be followed: {problem}",
+                             param="tools") from None
+    return ToolUse(forced, tuple(t.model_dump(exclude_none=True) for t in tools), parser)
 
 
 @dataclass

@@ -22,10 +22,10 @@ from tests.waits import fresh_replicas
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_waiting": 4, "block_size": 16,
-          "num_kv_blocks": 256, "max_model_len": 512}
+          "num_kv_blocks": 256, "max_model_len": 1024}
 PROMPTS = ["hello world", "the quick brown fox jumps"]
 MAX_TOKENS = 24
-MAX_PROMPT_TOKENS = 300
+MAX_PROMPT_TOKENS = 800  # room for the tool prompt a template without tools gets (~600 tokens here)
 
 
 class Service:
@@ -181,6 +181,12 @@ def test_a_forced_tool_call_through_the_served_app(service):
     (call,) = done.choices[0].message.tool_calls
     assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city", "days"}
+    out = service.generate(messages=pb.Messages(messages=[pb.ChatMessage(**m) for m in USER]),
+                           tools=[pb.Tool(name="get_weather", parameters_json=json.dumps(WEATHER["function"]["parameters"]))],
+                           tool_choice="get_weather", sampling=pb.SamplingOptions(max_tokens=120, seed=5))
+    (grpc_call,) = out[-1].tool_calls
+    assert out[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS and "".join(m.text for m in out) == ""
+    assert grpc_call.name == "get_weather" and set(json.loads(grpc_call.arguments_json)) == {"city", "days"}
 
 
 def test_load_spreads_and_prefers_the_cached_prefix(service):
@@ -276,7 +282,7 @@ BAD_INPUTS = [  # (name, gRPC request or raw bytes, HTTP completions body, gRPC 
     ("unknown model", {"prompt": "hi", "model": "gpt-4"}, {"prompt": "hi", "model": "gpt-4"}, "NOT_FOUND", 404,
      "not served"),
     ("empty prompt", {"prompt": ""}, {"prompt": ""}, "INVALID_ARGUMENT", 400, "empty"),
-    ("oversized prompt", {"prompt": "hello " * 400}, {"prompt": "hello " * 400}, "INVALID_ARGUMENT", 400,
+    ("oversized prompt", {"prompt": "hello " * 1000}, {"prompt": "hello " * 1000}, "INVALID_ARGUMENT", 400,
      f"limit is {MAX_PROMPT_TOKENS}"),
     ("bad temperature", {"prompt": "hi", "sampling": {"temperature": -1}}, {"prompt": "hi", "temperature": -1},
      "INVALID_ARGUMENT", 400, "temperature"),
@@ -347,7 +353,7 @@ def test_health_info_tokenize_and_cli(service, offline, capsys):
         reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     info = service.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-    assert (info.served_model_name, info.max_model_len, info.max_prompt_tokens) == ("tiny", 512, MAX_PROMPT_TOKENS)
+    assert (info.served_model_name, info.max_model_len, info.max_prompt_tokens) == ("tiny", 1024, MAX_PROMPT_TOKENS)
     tok = service.stub.Tokenize(pb.TokenizeRequest(text=PROMPTS[0]), timeout=10)
     assert tok.count == len(tok.token_ids) > 0
     load = service.stub.GetLoad(pb.GetLoadRequest(), timeout=10)

@@ -16,7 +16,7 @@ import pytest
 from google.protobuf.json_format import ParseDict
 
 from deployments.errors import ServingError
-from deployments.grpc_service import generate_input
+from deployments.grpc_service import generate_input, proto_tools
 from deployments.openai_protocol import parse_chat_body, parse_completion_body
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from engine.errors import InvalidRequestError
@@ -60,7 +60,7 @@ def test_openai_errors_name_the_field(frontend, kind: Kind):
 @pytest.mark.parametrize("kind", GRPC_KINDS, ids=[k.id for k in GRPC_KINDS])
 def test_grpc_errors_name_the_field(frontend, kind: Kind):
     msg = ParseDict(kind.grpc, pb.GenerateRequest())
-    err = _error(frontend, lambda: generate_input(msg))
+    err = _error(frontend, lambda: generate_input(msg, proto_tools(msg, "hermes")))
     assert err.grpc_code == kind.code, err.message
     assert err.param is not None and err.param in err.message, err.message
     assert kind.needles()[0] in err.message, err.message
