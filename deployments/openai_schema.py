@@ -192,6 +192,9 @@ def _sampling_fields() -> dict[str, dict]:
             schema = {"anyOf": [schema["items"], schema]}
         if name == "logit_bias":  # JSON keys are strings: token ids in decimal
             schema["anyOf"][0]["propertyNames"] = {"pattern": "^[0-9]{1,18}$"}
+        if name == "structured_outputs":  # rules checked by StructuredOutputs and the request models
+            schema["description"] = ("exactly one of json, regex, choice, grammar or json_object; not with a "
+                                     "response_format other than text, nor with a tool_choice that forces a call")
         out[name] = _nullable(schema)
     return out
 
