@@ -9,6 +9,7 @@ deadline, abort). Nothing here imports ray: the engine sits behind ``EngineClien
 from __future__ import annotations
 
 import asyncio
+import json
 import hmac
 import logging
 import time
@@ -148,11 +149,13 @@ class Frontend:
                           tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         parsed = parse_messages(messages)
         check_messages_length(parsed, self.config.max_prompt_chars)
+        if tools:  # rendered into the prompt too: the same character limit
+            check_text("tools", json.dumps(list(tools)), self.config.max_prompt_chars)
         try:
             ids = self.tokenizer.apply_chat_template(parsed, add_generation_prompt=True, tools=tools)
         except InvalidRequestError as exc:
             raise BadRequest(str(exc), param="messages") from None
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise BadRequest(f"the chat template rejected these messages: {exc}", param="messages") from None
         return list(ids)
 
@@ -176,7 +179,8 @@ class Frontend:
         if inp.prompt is not None:
             ids = await self.off_loop(len(inp.prompt), self.tokenize_text, inp.prompt)
         elif inp.messages is not None:
-            size = sum(len(m.content) for m in inp.messages)
+            size = sum(len(m.content) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                       for m in inp.messages) + (len(json.dumps(list(inp.tools))) if inp.tools else 0)
             ids = await self.off_loop(size, self.tokenize_messages, inp.messages, inp.tools)
         else:
             check_vocab(inp.prompt_token_ids, info["vocab_size"])

@@ -25,7 +25,7 @@ from deployments.frontend import Frontend
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from deployments.requests import GenerateInput, bad_request, parse_messages
 from deployments.textstream import TextDelta
-from deployments.tools import FunctionDef, NamedToolChoice, ToolDef, ToolStream, ToolUse, tool_use
+from deployments.tools import MAX_TOOLS, FunctionDef, NamedToolChoice, ToolDef, ToolStream, ToolUse, tool_use
 from deployments.tracing import trace_headers
 from engine.validation import FieldError, field_errors
 
@@ -69,6 +69,10 @@ def proto_tools(msg: pb.GenerateRequest, parser: str) -> ToolUse:
         if msg.tool_choice not in ("", "none", "auto"):
             raise BadRequest("tool_choice needs tools to choose from", param="tool_choice")
         return ToolUse()
+    if msg.WhichOneof("input") != "messages":
+        raise BadRequest("tools are for chat: send messages, not a prompt", param="tools")
+    if len(msg.tools) > MAX_TOOLS:
+        raise BadRequest(f"tools has {len(msg.tools)} entries; at most {MAX_TOOLS}", param="tools")
     tools = []
     for i, t in enumerate(msg.tools):
         try:
@@ -79,7 +83,8 @@ def proto_tools(msg: pb.GenerateRequest, parser: str) -> ToolUse:
         try:
             function = FunctionDef(name=t.name, description=t.description or None, parameters=parameters)
         except ValidationError as exc:
-            raise bad_request([FieldError(f"tools.{i}.{e.param or ''}".rstrip("."), f"tools.{i}.{e.message}")
+            raise bad_request([FieldError(f"tools.{i}.{_proto_name(e.param)}".rstrip("."),
+                                          f"tools.{i}.{e.message.replace('parameters', 'parameters_json', 1)}")
                                for e in field_errors(exc, FunctionDef)]) from None
         tools.append(ToolDef(type="function", function=function))
     names = [t.function.name for t in tools]
@@ -93,6 +98,11 @@ def proto_tools(msg: pb.GenerateRequest, parser: str) -> ToolUse:
         choice = NamedToolChoice(type="function", function={"name": choice})
     parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else None
     return tool_use(tuple(tools), choice, parallel, parser, constrained=msg.sampling.HasField("structured_outputs"))
+
+
+def _proto_name(param: str | None) -> str:
+    """A FunctionDef field as the proto names it (its schema travels as JSON text)."""
+    return "parameters_json" if param == "parameters" else param or ""
 
 
 def generate_input(msg: pb.GenerateRequest, tools: ToolUse = ToolUse()) -> GenerateInput:
@@ -119,7 +129,7 @@ def generate_input(msg: pb.GenerateRequest, tools: ToolUse = ToolUse()) -> Gener
         prompt=msg.prompt if which == "prompt" else None,
         messages=_messages(msg.messages) if which == "messages" else None,
         prompt_token_ids=tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
-        sampling=sampling, tools=tools.template_tools if which == "messages" else None, model=msg.model or None,
+        sampling=sampling, tools=tools.template_tools, model=msg.model or None,
         request_id=msg.request_id or None, priority=msg.priority, timeout_s=msg.timeout_s or None)
 
 
@@ -196,7 +206,7 @@ class SlotServeGrpcMixin:
             tools = proto_tools(msg, self.frontend.config.tool_call_parser)
             prepared = await self.frontend.prepare(generate_input(msg, tools), span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
-            calls = ToolStream(tools.parser) if tools.parser and msg.WhichOneof("input") == "messages" else None
+            calls = ToolStream(tools.parser, tools.single) if tools.parser else None
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
                 async for delta in deltas:
                     last = delta

@@ -168,7 +168,7 @@ class OpenAIRoutes:
             prepared = await self.frontend.prepare(parsed.input, span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
             builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name,
-                                      parsed.tool_parser)
+                                      parsed.tools)
             headers = _id_headers(request, prepared)
             if parsed.stream:
                 return await self._stream(prepared, parsed, builder, span, audit, headers)

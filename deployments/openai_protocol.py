@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from deployments.errors import BadRequest
 from deployments.requests import GenerateInput, Messages, bad_request
-from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolDef, tool_use
+from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolDef, ToolUse, tool_use
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutputs, check as check_grammar
 from engine.validation import Bool, Str, field_errors
@@ -254,8 +254,8 @@ class ParsedBody:
     input: GenerateInput
     stream: bool
     include_usage: bool
-    tool_parser: str | None = None
-    """Set when the reply is read for tool calls (``deployments.tools``): the parser's name."""
+    tools: ToolUse = ToolUse()
+    """How the reply is read for tool calls (``deployments.tools``; nothing read by default)."""
 
 
 def _validate(model: type[_Request], body: Any) -> _Request:
@@ -291,4 +291,4 @@ def parse_chat_body(body: Any, request_id: str | None = None, tool_parser: str =
         sampling["structured_outputs"] = tools.structured_outputs
     inp = GenerateInput(messages=req.messages, sampling=sampling, tools=tools.template_tools, model=req.model,
                         request_id=request_id, priority=req.priority_or_default)
-    return ParsedBody(inp, bool(req.stream), req.include_usage, tools.parser)
+    return ParsedBody(inp, bool(req.stream), req.include_usage, tools)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from deployments.textstream import TextDelta, TokenLogprob, Usage
-from deployments.tools import ToolCalls, ToolStream, parse_tool_calls
+from deployments.tools import ToolCalls, ToolStream, ToolUse, parse_tool_calls
 
 
 def usage_json(usage: Usage | None) -> dict | None:
@@ -43,15 +43,15 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
 class ResponseBuilder:
     """Builds the JSON objects of one response (whole or streamed chunks)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, tool_parser: str | None = None) -> None:
-        """``tool_parser``: the reply is read for tool calls in this syntax (``deployments.tools``)."""
+    def __init__(self, chat: bool, request_id: str, model: str, tools: ToolUse = ToolUse()) -> None:
+        """``tools``: how the reply is read for tool calls (``deployments.tools``)."""
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
         self._text_offset = 0
-        self._tool_parser = tool_parser
-        self._tools = ToolStream(tool_parser) if tool_parser else None
+        self._tool_use = tools
+        self._tools = ToolStream(tools.parser, tools.single) if tools.parser else None
 
     def _envelope(self, obj: str, choices: list, usage: Usage | None, with_usage: bool) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -64,7 +64,8 @@ class ResponseBuilder:
         last = deltas[-1]
         logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
         if self.chat:
-            parsed = parse_tool_calls(text, self._tool_parser) if self._tool_parser else ToolCalls(text)
+            use = self._tool_use
+            parsed = parse_tool_calls(text, use.parser, use.single) if use.parser else ToolCalls(text)
             message = {"role": "assistant", "content": parsed.content}
             if parsed.calls:
                 message["tool_calls"] = parsed.calls

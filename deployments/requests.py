@@ -141,7 +141,7 @@ def check_messages_length(messages: Sequence[ChatMessage], max_chars: int) -> No
         if len(message.content) > max_chars:
             raise BadRequest(f"messages.{i}.content has {len(message.content)} characters; the limit is "
                              f"{max_chars}", param=f"messages.{i}.content")
-        total += len(message.content)
+        total += len(message.content) + sum(len(c.function.arguments) for c in message.tool_calls or ())
     if total > max_chars:
         raise BadRequest(f"messages have {total} characters in all; the limit is {max_chars}", param="messages")
 

@@ -16,32 +16,38 @@ the reply as text.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.errors import BadRequest
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutputs, check as check_grammar
-from engine.validation import Bool, Str
+from engine.tokenizer import MAX_JSON_DEPTH, json_depth
+from engine.validation import Bool, Str, Text
 
 PARSERS = ("hermes", "llama3_json")
 MAX_TOOLS = 128
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_HERMES_OPEN = "<tool_call>"
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: Str | None = None
+    description: Text | None = None
     parameters: dict[str, Any] | None = None
     """A JSON schema of the arguments object (absent: no arguments)."""
     strict: Bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _shallow(cls, parameters: dict | None) -> dict | None:
+        if parameters is not None and json_depth(parameters) > MAX_JSON_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+        return parameters
 
 
 class ToolDef(BaseModel):
@@ -67,26 +73,28 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-def _call_schema(tool: ToolDef, arguments_key: str) -> dict:
-    params = tool.function.parameters or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, arguments_key: params},
-            "required": ["name", arguments_key], "additionalProperties": False}
+_FIXED_SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""As the Hermes and Llama formats write JSON: with any whitespace allowed a model can fill its
+budget with it, and a call is re-serialized anyway."""
 
 
 def forced_grammar(tools: tuple[ToolDef, ...], choice: ToolChoice, parallel: bool, parser: str) -> dict:
     """``structured_outputs`` that make the reply one call of the chosen tool(s), in ``parser``'s
-    syntax; with ``required`` and ``parallel``, one or more (a named function is called once)."""
+    syntax; with ``required`` and ``parallel``, one or more (a named function is called once).
+    Each tool's parameters stay the root of their own schema, so their ``$ref``s resolve."""
     chosen = [t for t in tools if isinstance(choice, str) or t.function.name == choice.function.name]
     key = "parameters" if parser == "llama3_json" else "arguments"
-    # Fixed separators, as the Hermes and Llama formats write them: any whitespace would be allowed
-    # otherwise, and the call is re-serialized anyway.
-    body = json.dumps({"anyOf": [_call_schema(t, key) for t in chosen],
-                       "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}})
+    rules = []
+    for i, tool in enumerate(chosen):
+        params = {**(tool.function.parameters or {"type": "object", "properties": {}}), "x-guidance": _FIXED_SEPARATORS}
+        head = json.dumps(f'{{"name": "{tool.function.name}", "{key}": ')  # names are [A-Za-z0-9_.-]
+        rules.append(f'call{i}: {head} args{i} "}}"\nargs{i}: %json {json.dumps(params)}')
+    body = "body: " + " | ".join(f"call{i}" for i in range(len(chosen)))
     if parser == "llama3_json":
-        return {"grammar": f"start: %json {body}"}
+        return {"grammar": "\n".join(["start: body", body, *rules])}
     repeat = "+" if parallel and choice == "required" else ""
-    return {"grammar": f'start: (call "\\n"?){repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n'
-                       f"body: %json {body}"}
+    return {"grammar": "\n".join([f'start: (call "\\n"?){repeat}', 'call: "<tool_call>\\n" body "\\n</tool_call>"',
+                                   body, *rules])}
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class ToolUse:
     structured_outputs: dict | None = None
     template_tools: tuple[dict, ...] | None = None
     parser: str | None = None
+    single: bool = False
+    """``parallel_tool_calls: false``: only a reply's first call is kept."""
 
 
 def tool_use(tools: tuple[ToolDef, ...] | None, choice: ToolChoice | None, parallel: bool | None,
@@ -109,14 +119,14 @@ def tool_use(tools: tuple[ToolDef, ...] | None, choice: ToolChoice | None, paral
         if constrained:
             raise BadRequest("tool_choice forces a call, which response_format or structured_outputs would "
                              "constrain too: give one of them", param="tool_choice")
-        forced = forced_grammar(tools, choice, parallel is not False, parser)
+        forced = forced_grammar(tools, choice, parallel is not False, parser)  # depth-checked schemas
         try:
             check_grammar(StructuredOutputs(**forced))
         except InvalidRequestError as exc:
             problem = str(exc).split("cannot be followed: ", 1)[-1]
             raise BadRequest(f"tools: the chosen functions' parameters cannot be followed: {problem}",
                              param="tools") from None
-    return ToolUse(forced, tuple(t.model_dump(exclude_none=True) for t in tools), parser)
+    return ToolUse(forced, tuple(t.model_dump(exclude_none=True) for t in tools), parser, parallel is False)
 
 
 @dataclass
@@ -134,38 +144,54 @@ def _call(name: Any, arguments: Any) -> dict | None:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse_tool_calls(text: str, parser: str) -> ToolCalls:
-    """The calls in a whole reply; a reply that does not parse stays text (no calls)."""
-    if parser == "llama3_json":
+def parse_tool_calls(text: str, parser: str, single: bool = False) -> ToolCalls:
+    """The calls in a whole reply (``single``: the first only); a reply that does not parse stays text."""
+    parsed = _llama3(text) if parser == "llama3_json" else _hermes(text)
+    if single and len(parsed.calls) > 1:
+        return ToolCalls(parsed.content, parsed.calls[:1])
+    return parsed
+
+
+def _llama3(text: str) -> ToolCalls:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return ToolCalls(text)
+    call = _call(value.get("name"), value.get("parameters", value.get("arguments"))) \
+        if isinstance(value, dict) else None
+    return ToolCalls(None, [call]) if call else ToolCalls(text)
+
+
+def _hermes(text: str) -> ToolCalls:
+    # str.find, not a regex: an opened block that never closes must cost linear time, not cubic.
+    calls, rest, pos = [], [], 0
+    while (start := text.find(_HERMES_OPEN, pos)) >= 0:
+        end = text.find(_HERMES_CLOSE, start)
+        if end < 0:
+            break
         try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):
-            return ToolCalls(text)
-        call = _call(value.get("name"), value.get("parameters", value.get("arguments"))) \
-            if isinstance(value, dict) else None
-        return ToolCalls(None, [call]) if call else ToolCalls(text)
-    calls = []
-    for block in _HERMES.findall(text):
-        try:
-            value = json.loads(block)
+            value = json.loads(text[start + len(_HERMES_OPEN):end])
         except (ValueError, RecursionError):
             return ToolCalls(text)
         call = _call(value.get("name"), value.get("arguments")) if isinstance(value, dict) else None
         if call is None:
             return ToolCalls(text)
+        rest.append(text[pos:start] if not calls else text[pos:start].lstrip())
         calls.append(call)
+        pos = end + len(_HERMES_CLOSE)
     if not calls:
         return ToolCalls(text)
-    rest = _HERMES.sub("", text).strip()
-    return ToolCalls(rest or None, calls)
+    content = "".join(rest + [text[pos:].lstrip()]).strip()
+    return ToolCalls(content or None, calls)
 
 
 class ToolStream:
     """Streamed replies: text goes out as it comes until it may be a call; from there it is held
     and parsed at the end (OpenAI clients take a call's deltas whole as well as in pieces)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, single: bool = False) -> None:
         self.parser = parser
+        self.single = single
         self._held = ""
         self._holding = False
         self._seen = ""
@@ -196,8 +222,9 @@ class ToolStream:
 
     def finish(self) -> ToolCalls:
         """The held text, parsed: its calls, and whatever of it was text after all."""
-        parsed = parse_tool_calls(self._held, self.parser) if self._holding else ToolCalls(self._held or None)
-        return parsed
+        if not self._holding:
+            return ToolCalls(self._held or None)
+        return parse_tool_calls(self._held, self.parser, self.single)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

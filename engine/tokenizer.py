@@ -110,6 +110,24 @@ def with_tool_prompt(messages: list[dict], tools: Sequence[Mapping[str, Any]]) -
     return [{"role": "system", "content": text}, *messages]
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest JSON a tool's schema or a call's arguments may nest: the template's ``tojson`` and
+``json.dumps`` recurse, and a Python stack runs out near 1,000."""
+
+
+def json_depth(value: Any) -> int:
+    """How deep ``value`` (parsed JSON) nests, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
 @validated(InvalidRequestError, extra="ignore")
 class CalledFunction:
     name: Text = Field(min_length=1, max_length=64)
@@ -125,6 +143,8 @@ class CalledFunction:
             raise ValueError("must be a JSON object, as text") from None
         if not isinstance(value, dict):
             raise ValueError("must be a JSON object, as text")
+        if json_depth(value) > MAX_JSON_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
         return arguments
 
     def parsed(self) -> dict:
@@ -147,6 +167,8 @@ class ChatMessage:
     """An assistant's calls, as a response gave them (``arguments`` a JSON text)."""
     tool_call_id: Text | None = Field(None, max_length=256)
     """A ``tool`` message's answer to this call."""
+    name: Text | None = Field(None, max_length=256)
+    """A ``tool`` message's function (some templates show it)."""
 
     @field_validator("content", mode="before")
     @classmethod
@@ -180,8 +202,10 @@ def normalize_messages(messages: Any, native_tools: bool = True) -> list[dict[st
             message["content"] = "\n".join([m.content] * bool(m.content) + [
                 f'<tool_call>\n{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}'
                 f"\n</tool_call>" for c in m.tool_calls])
-        if m.tool_call_id is not None and native_tools:
-            message["tool_call_id"] = m.tool_call_id
+        if m.role == "tool" and native_tools:
+            message.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None})
+        elif m.role == "tool":  # the Hermes convention: a user turn, so role alternation holds
+            message = {"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"}
         out.append(message)
     return out
 

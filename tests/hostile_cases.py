@@ -237,6 +237,7 @@ KINDS = [
     K("tool-required-without-tools", g(tool_choice="required"), ch(tool_choice="required"), param="tool_choice",
       needle="needs tools"),
     K("grpc-tool-bad-name", g(messages=USER, tools=[{"name": "bad name!"}]), None, param="tools.0.name"),
+    K("grpc-tools-with-a-prompt", g(tools=[{"name": "f"}]), None, param="tools", needle="send messages"),
     K("grpc-tool-parameters-not-json", g(messages=USER, tools=[{"name": "f", "parameters_json": "{x"}]), None,
       param="tools.0.parameters_json"),
     K("grpc-tool-choice-unknown", g(messages=USER, tools=[{"name": "f"}], tool_choice="g"), None,

@@ -23,6 +23,14 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False}}}
 USER = [{"role": "user", "content": "weather in Paris?"}]
+DEEP = {"type": "object", "properties": {"a": {}}}
+for _ in range(40):  # 120 levels: past the limit that keeps json.dumps and the template's tojson off
+    DEEP = {"type": "object", "properties": {"a": DEEP}}  # the end of the Python stack
+REFS = {"type": "function", "function": {"name": "book", "parameters": {  # as pydantic writes nested models
+    "$defs": {"Day": {"type": "object", "properties": {"day": {"type": "integer", "minimum": 1, "maximum": 28}},
+                      "required": ["day"], "additionalProperties": False}},
+    "type": "object", "properties": {"when": {"$ref": "#/$defs/Day"}}, "required": ["when"],
+    "additionalProperties": False}}}
 
 
 def test_hermes_and_llama3_replies_parse_into_calls():
@@ -33,7 +41,9 @@ def test_hermes_and_llama3_replies_parse_into_calls():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.calls] == [
         ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})]
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in parsed.calls)
-    for text in ("no call here", "<tool_call>{not json}</tool_call>", '<tool_call>{"name": 5}</tool_call>'):
+    assert len(parse_tool_calls(two, "hermes", single=True).calls) == 1  # parallel_tool_calls: false
+    for text in ("no call here", "<tool_call>{not json}</tool_call>", '<tool_call>{"name": 5}</tool_call>',
+                 "<tool_call>" + " " * 100_000):  # never closed (a regex here took seconds on 2,000 spaces)
         assert parse_tool_calls(text, "hermes").calls == [] and parse_tool_calls(text, "hermes").content == text
     llama = parse_tool_calls('{"name": "get_time", "parameters": {"zone": "CET"}}', "llama3_json")
     assert llama.content is None and json.loads(llama.calls[0]["function"]["arguments"]) == {"zone": "CET"}
@@ -62,6 +72,11 @@ def test_streamed_text_is_held_from_where_a_call_may_begin():
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "give one of them"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]}, "tools.0.function.parameters",
+     "deeper than 64"),
+    ({"tools": [WEATHER], "messages": USER + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": json.dumps(DEEP)}}]}]},
+     "messages.1.tool_calls.0.function.arguments", "deeper than 64"),
 ])
 def test_bad_tool_requests_name_the_field(extra, param, needle):
     with pytest.raises(BadRequest, match=needle) as info:
@@ -121,6 +136,10 @@ def test_forced_calls_parse_stream_the_same_and_round_trip(frontend):
         answer = await client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER, TIME],
                                                       tool_choice="none", max_tokens=6, temperature=0)
         assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "length"
+        ref = await client.chat.completions.create(model="tiny", messages=USER, tools=[REFS], tool_choice="required",
+                                                   max_tokens=100, seed=8)
+        (booked,) = ref.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(booked.function.arguments), REFS["function"]["parameters"])
         auto = await client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=6)
         assert auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
         await http.aclose()
@@ -137,3 +156,5 @@ def test_a_template_without_tools_gets_them_in_a_system_message(tokenizer):
     history = tokenizer.render_chat(USER + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}])
     assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in history
+    answered = tokenizer.render_chat(USER + [{"role": "tool", "tool_call_id": "c1", "content": "12:00"}])
+    assert "<|im_start|>user\n<tool_response>\n12:00\n</tool_response>" in answered  # a user turn
