@@ -85,16 +85,25 @@ def test_bad_tool_requests_name_the_field(extra, param, needle):
 
 
 @pytest.fixture(scope="module")
-def frontend(tiny_model_dir, tokenizer):
+def replica(tiny_model_dir):
+    from deployments.replica import EngineReplica
+
+    return EngineReplica(str(tiny_model_dir), {"dtype": "float32", "block_size": 8, "num_kv_blocks": 256,
+                                               "max_num_seqs": 4}, drain_timeout_s=5)
+
+
+def _frontend(replica, tiny_model_dir, tokenizer, parser: str = "hermes"):
     from deployments.engine_client import LocalEngineClient
     from deployments.frontend import Frontend, FrontendConfig
     from deployments.mux import MuxEngineClient
-    from deployments.replica import EngineReplica
 
-    replica = EngineReplica(str(tiny_model_dir), {"dtype": "float32", "block_size": 8, "num_kv_blocks": 256,
-                                                  "max_num_seqs": 4}, drain_timeout_s=5)
-    config = FrontendConfig(served_model_name="tiny", model=str(tiny_model_dir))
+    config = FrontendConfig(served_model_name="tiny", model=str(tiny_model_dir), tool_call_parser=parser)
     return Frontend(config, tokenizer, MuxEngineClient(LocalEngineClient([replica])))
+
+
+@pytest.fixture(scope="module")
+def frontend(replica, tiny_model_dir, tokenizer):
+    return _frontend(replica, tiny_model_dir, tokenizer)
 
 
 def _client(frontend):
@@ -142,6 +151,26 @@ def test_forced_calls_parse_stream_the_same_and_round_trip(frontend):
         jsonschema.validate(json.loads(booked.function.arguments), REFS["function"]["parameters"])
         auto = await client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=6)
         assert auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        await http.aclose()
+    run(main(), timeout_s=120)
+
+
+def test_llama3_json_calls_are_forced_and_parsed(replica, tiny_model_dir, tokenizer):
+    """The other parser: the whole reply is {"name", "parameters"}, streamed or not."""
+    async def main():
+        client, http = _client(_frontend(replica, tiny_model_dir, tokenizer, "llama3_json"))
+        named = {"type": "function", "function": {"name": "get_time"}}
+        done = await client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME],
+                                                    tool_choice=named, max_tokens=60, seed=3)
+        (call,) = done.choices[0].message.tool_calls
+        assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+        chunks = [c async for c in await client.chat.completions.create(
+            model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=named, max_tokens=60, seed=3,
+            stream=True)]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+        assert [d.function.arguments for c in chunks for d in c.choices[0].delta.tool_calls or ()] == [
+            call.function.arguments]
         await http.aclose()
     run(main(), timeout_s=120)
 
