@@ -56,8 +56,12 @@ class Tokenizer:
 
     @property
     def renders_tools(self) -> bool:
-        """Whether the chat template shows a request's tools to the model itself."""
-        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+        """Whether the chat template shows a request's tools to the model itself (a tokenizer may
+        hold several named templates; transformers picks ``tool_use`` when tools are given)."""
+        template = getattr(self.hf, "chat_template", None) or ""
+        if isinstance(template, dict):
+            template = template.get("tool_use") or template.get("default") or ""
+        return "tools" in template
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None) -> str:
