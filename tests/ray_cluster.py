@@ -1,4 +1,5 @@
-"""A local Ray + Serve running the application, for end-to-end tests: started and stopped one way.
+"""A local Ray + Serve running the application, for end-to-end tests: started and stopped one way,
+and the clients a test talks to it with (``Service``).
 
 Ray 2.60 turns token authentication on by default; the tests run it off. HTTP binds
 127.0.0.1; Ray's gRPC proxy has no host option and binds every interface, on a free port.
@@ -8,11 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 from unittest import mock
 
+import grpc
+
 from deployments.ingress_env import free_port  # noqa: F401 - the tests' free ports
+from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
+from tests.waits import fresh_replicas
 
 APP = "slotserve"
 
@@ -48,3 +55,30 @@ def served_app(app_args: dict[str, Any], *, env: dict[str, str] | None = None,
             if ray.is_initialized():
                 serve.shutdown()
                 ray.shutdown()
+
+
+class Service:
+    def __init__(self, http_port: int, grpc_port: int) -> None:
+        self.http_port, self.grpc_port = http_port, grpc_port
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        self.stub = slotserve_pb2_grpc.SlotServeStub(self.channel)
+        self.base_url = f"http://127.0.0.1:{http_port}/v1"
+
+    def generate(self, timeout=60, **fields) -> list[pb.GenerateResponse]:
+        return list(self.stub.Generate(pb.GenerateRequest(**fields), timeout=timeout))
+
+    def replicas(self) -> list[pb.ReplicaLoad]:
+        return fresh_replicas(lambda: self.stub.GetLoad(pb.GetLoadRequest(), timeout=10).replicas)
+
+    def wait_idle(self, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(r.running == 0 and r.waiting == 0 for r in self.replicas()):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"engines still busy: {self.replicas()}")
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)

@@ -15,9 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
-from deployments.proto_gen.slotserve.v1 import slotserve_pb2_grpc
-from tests.ray_cluster import served_app
-from tests.waits import fresh_replicas
+from tests.ray_cluster import Service, served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -26,33 +24,6 @@ ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_waiting":
 PROMPTS = ["hello world", "the quick brown fox jumps"]
 MAX_TOKENS = 24
 MAX_PROMPT_TOKENS = 800  # room for the tool prompt a template without tools gets (~600 tokens here)
-
-
-class Service:
-    def __init__(self, http_port: int, grpc_port: int) -> None:
-        self.http_port, self.grpc_port = http_port, grpc_port
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        self.stub = slotserve_pb2_grpc.SlotServeStub(self.channel)
-        self.base_url = f"http://127.0.0.1:{http_port}/v1"
-
-    def generate(self, timeout=60, **fields) -> list[pb.GenerateResponse]:
-        return list(self.stub.Generate(pb.GenerateRequest(**fields), timeout=timeout))
-
-    def replicas(self) -> list[pb.ReplicaLoad]:
-        return fresh_replicas(lambda: self.stub.GetLoad(pb.GetLoadRequest(), timeout=10).replicas)
-
-    def wait_idle(self, timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if all(r.running == 0 and r.waiting == 0 for r in self.replicas()):
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"engines still busy: {self.replicas()}")
-
-    def openai(self):
-        import openai
-
-        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module", params=["proxy", "haproxy"])

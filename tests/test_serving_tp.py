@@ -9,7 +9,7 @@ import pytest
 
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from tests.ray_cluster import APP, served_app
-from tests.test_serving_e2e import Service
+from tests.ray_cluster import Service
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
