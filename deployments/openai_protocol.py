@@ -18,8 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from deployments.errors import BadRequest
 from deployments.requests import GenerateInput, Messages, bad_request
 from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolDef, ToolUse, tool_use
-from engine.errors import InvalidRequestError
-from engine.structured import StructuredOutputs, check as check_grammar
+from engine.structured import StructuredOutputs, grammar_problem
 from engine.validation import Bool, Str, field_errors
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -139,11 +138,9 @@ class _Request(BaseModel):
     def _followable(cls, fmt: ResponseFormat | None) -> ResponseFormat | None:
         # Checked here, so an unusable schema is named as the client sent it.
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema.schema_ is not None:
-            try:
-                check_grammar(StructuredOutputs(json=fmt.json_schema.schema_))
-            except InvalidRequestError as exc:
-                problem = str(exc).split("cannot be followed: ", 1)[-1]
-                raise ValueError(f"json_schema.schema cannot be followed: {problem}") from None
+            problem = grammar_problem(StructuredOutputs(json=fmt.json_schema.schema_))
+            if problem is not None:
+                raise ValueError(f"json_schema.schema cannot be followed: {problem}")
         return fmt
 
     @field_validator("structured_outputs")

@@ -23,8 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.errors import BadRequest
-from engine.errors import InvalidRequestError
-from engine.structured import StructuredOutputs, check as check_grammar
+from engine.structured import StructuredOutputs, grammar_problem
 from engine.tokenizer import MAX_JSON_DEPTH, json_depth
 from engine.validation import Bool, Str, Text
 
@@ -120,12 +119,10 @@ def tool_use(tools: tuple[ToolDef, ...] | None, choice: ToolChoice | None, paral
             raise BadRequest("tool_choice forces a call, which response_format or structured_outputs would "
                              "constrain too: give one of them", param="tool_choice")
         forced = forced_grammar(tools, choice, parallel is not False, parser)  # depth-checked schemas
-        try:
-            check_grammar(StructuredOutputs(**forced))
-        except InvalidRequestError as exc:
-            problem = str(exc).split("cannot be followed: ", 1)[-1]
+        problem = grammar_problem(StructuredOutputs(**forced))
+        if problem is not None:
             raise BadRequest(f"tools: the chosen functions' parameters cannot be followed: {problem}",
-                             param="tools") from None
+                             param="tools")
     return ToolUse(forced, tuple(t.model_dump(exclude_none=True) for t in tools), parser, parallel is False)
 
 
@@ -192,39 +189,40 @@ class ToolStream:
     def __init__(self, parser: str, single: bool = False) -> None:
         self.parser = parser
         self.single = single
-        self._held = ""
-        self._holding = False
-        self._seen = ""
+        self._pending = ""  # text not yet streamed and not yet known to be a call
+        self._held: list[str] | None = None  # set once a call may have begun
+        self._plain = False  # llama3_json: the reply began with something other than "{"
 
     def push(self, text: str) -> str:
         """What of ``text`` can be streamed now."""
-        self._seen += text
-        if self._holding:
-            self._held += text
+        if self._held is not None:
+            self._held.append(text)
             return ""
+        pending, self._pending = self._pending + text, ""
         if self.parser == "llama3_json":
-            if not self._seen.strip():
-                self._held += text
+            if self._plain:
+                return pending
+            if not pending.strip():
+                self._pending = pending
                 return ""
-            if self._seen.lstrip().startswith("{"):
-                self._holding, self._held = True, self._seen
+            if pending.lstrip().startswith("{"):
+                self._held = [pending]
                 return ""
-            out, self._held = self._held + text, ""
-            return out
-        pending = self._held + text
+            self._plain = True
+            return pending
         start = pending.find(_HERMES_OPEN)
         if start >= 0:
-            self._holding, self._held = True, pending[start:]
+            self._held = [pending[start:]]
             return pending[:start]
         keep = _partial_suffix(pending, _HERMES_OPEN)
-        self._held = pending[len(pending) - keep:] if keep else ""
+        self._pending = pending[len(pending) - keep:] if keep else ""
         return pending[:len(pending) - keep]
 
     def finish(self) -> ToolCalls:
         """The held text, parsed: its calls, and whatever of it was text after all."""
-        if not self._holding:
-            return ToolCalls(self._held or None)
-        return parse_tool_calls(self._held, self.parser, self.single)
+        if self._held is None:
+            return ToolCalls(self._pending or None)
+        return parse_tool_calls("".join(self._held), self.parser, self.single)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

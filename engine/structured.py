@@ -95,9 +95,19 @@ def _grammar(kind: str, text: str) -> str:
     return grammar
 
 
+def grammar_problem(spec: StructuredOutputs) -> str | None:
+    """Why the spec cannot be followed (a bad schema, regex or grammar), or None; for callers that
+    name the field as their client sent it."""
+    try:
+        _grammar(*spec.key())
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def check(spec: StructuredOutputs) -> str:
     """The spec's compiled grammar (cached); raises InvalidRequestError naming the field when it
-    cannot be followed (a bad schema, regex or grammar)."""
+    cannot be followed."""
     try:
         return _grammar(*spec.key())
     except ValueError as exc:
