@@ -180,7 +180,7 @@ class ServedApp:
         """SERVE_ENV and the ingress mode's environment, for the processes Ray starts."""
         from deployments.app import SERVE_ENV
 
-        env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **ingress_env(self.ingress)}
+        env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **ingress_env(self.ingress, local=True)}
         self._saved_env = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
 

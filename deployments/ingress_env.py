@@ -26,14 +26,20 @@ INGRESS_REPLICA_PORTS = {"GRPC": (31000, 31999), "HTTP": (30000, 30999)}
 can take a port between Serve's pick and its bind."""
 
 
-def haproxy_env(*, draining_s: float = 2.0) -> dict[str, str]:
+def haproxy_env(*, draining_s: float = 2.0, side_ports: bool = False) -> dict[str, str]:
     """Ray Serve's HAProxy mode. ``draining_s``: how long a stopping ingress replica stays
     reachable before it refuses new connections (HAProxy then retries another one). The
     controller updates every node's HAProxy within about 0.1 s, so a few seconds cover it;
-    Serve's default, 30 s, also waits out load balancers in front of HAProxy."""
+    Serve's default, 30 s, also waits out load balancers in front of HAProxy.
+
+    ``side_ports``: free ports for HAProxy's stats and metrics listeners instead of Serve's fixed
+    8404 and 9101, for local clusters that come and go (tests, benchmarks): an HAProxy left by one
+    whose driver crashed would otherwise hold them and keep every later one from starting."""
     ports = {f"RAY_SERVE_DIRECT_INGRESS_{bound}_{protocol}_PORT": str(port)
              for protocol, (low, high) in INGRESS_REPLICA_PORTS.items()
              for bound, port in (("MIN", low), ("MAX", high))}
+    if side_ports:
+        ports.update(RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": f"{draining_s:g}",
             **ports}
 
@@ -76,10 +82,11 @@ def default_ingress(tls: bool) -> str:
     return "haproxy" if not tls and haproxy_available() else "proxy"
 
 
-def ingress_env(mode: str) -> dict[str, str]:
-    """The environment for ``mode`` (INGRESS_MODES)."""
+def ingress_env(mode: str, *, local: bool = False) -> dict[str, str]:
+    """The environment for ``mode`` (INGRESS_MODES); ``local``: a throwaway cluster (``haproxy_env``'s
+    ``side_ports``)."""
     if mode == "haproxy":
-        return haproxy_env()
+        return haproxy_env(side_ports=local)
     if mode == "proxy":
         return {}
     raise ValueError(f"ingress: {mode!r}; allowed: {', '.join(INGRESS_MODES)}")

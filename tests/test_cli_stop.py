@@ -66,7 +66,8 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.parametrize("stop", ["SIGTERM to the group", "SIGKILL to the command"])
 def test_serve_drains_and_leaves_no_process(stop, tmp_path, tiny_model_dir):
     log = tmp_path / "serve.log"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}  # not 8404 / 9101: another HAProxy may hold them
     env.pop("SLOTSERVE_SERVE_OWN_SESSION", None)
     with open(log, "w") as out:
         command = subprocess.Popen(

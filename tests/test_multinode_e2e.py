@@ -48,7 +48,7 @@ def nodes(tiny_model_dir):
     app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
            "replica_resources": {"num_cpus": 0.5, "resources": {"engine_slot": 1}},
            "ingress": {"num_replicas": 2, "num_cpus": 0.25, "resources": {"ingress_slot": 1}}, "drain_timeout_s": 2}
-    env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **ingress_env("haproxy")}
+    env = {"RAY_AUTH_MODE": "disabled", **SERVE_ENV, **ingress_env("haproxy", local=True)}
     with mock.patch.dict(os.environ, env), contextlib.ExitStack() as stack:
         # tp_slot: one tensor-parallel rank's room, on nodes that offer only one (test_tensor_parallel_...)
         cluster = Cluster(initialize_head=True, head_node_args={

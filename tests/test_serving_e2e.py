@@ -39,7 +39,7 @@ def service(request, tiny_model_dir, tmp_path_factory):
     if request.param == "haproxy":
         tls = link_certificates(tmp_path_factory.mktemp("link-tls"), "app")
         app["engine_link_tls"] = {"certfile": tls.certfile, "keyfile": tls.keyfile, "cafile": tls.cafile}
-    with served_app(app, env=ingress_env(request.param)) as ports:
+    with served_app(app, env=ingress_env(request.param, local=True)) as ports:
         svc = Service(ports.http, ports.grpc)
         svc.mode = request.param
         yield svc
