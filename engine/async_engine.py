@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Mapping, Sequence
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -51,17 +51,27 @@ class _Stream:
         self.error = exc
         self.event.set()
 
-    async def get(self) -> StreamOutput:
+    async def get(self) -> list[StreamOutput]:
+        """Everything since the last call: one output per choice that moved, in the engine's order."""
         while not self.items:
             if self.error is not None:
                 raise self.error
             self.event.clear()
             await self.event.wait()
         items, self.items = self.items, []
-        return _merge(items)
+        if len(items) == 1:
+            return items
+        by_choice: dict[int, list[StreamOutput]] = {}
+        for item in items:
+            by_choice.setdefault(item.index, []).append(item)
+        merged = [_merge(group) for group in by_choice.values()]
+        # The output that ends the request (no choice left running) goes last.
+        merged.sort(key=lambda out: out.request_finished)
+        return merged
 
 
 def _merge(items: list[StreamOutput]) -> StreamOutput:
+    """One choice's consecutive outputs as one."""
     if len(items) == 1:
         return items[0]
     last = items[-1]
@@ -72,7 +82,8 @@ def _merge(items: list[StreamOutput]) -> StreamOutput:
     return StreamOutput(request_id=last.request_id, new_token_ids=ids, finished=last.finished,
                         finish_reason=last.finish_reason, stop_token_id=last.stop_token_id, new_logprobs=lps,
                         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
-                        num_cached_tokens=last.num_cached_tokens, timing=last.timing)
+                        num_cached_tokens=last.num_cached_tokens, timing=last.timing, index=last.index,
+                        choices_running=last.choices_running)
 
 
 class AsyncEngine:
@@ -126,23 +137,25 @@ class AsyncEngine:
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       resume_token_ids: Sequence[int] = ()) -> AsyncIterator[StreamOutput]:
-        """Submit a request and stream its outputs; closing the stream aborts the request.
+                       resume_token_ids: Sequence[int] = (),
+                       resume_choices: Mapping[int, Sequence[int]] | None = None) -> AsyncIterator[StreamOutput]:
+        """Submit a request and stream its outputs (each choice's, with ``n`` > 1); closing the stream
+        aborts the request.
 
-        ``resume_token_ids``: see ``LLMEngine.add_request``."""
+        ``resume_token_ids``, ``resume_choices``: see ``LLMEngine.add_request``."""
         self.check_health()
         params = params or SamplingParams()
         prompt = self.engine.check_request(prompt_token_ids, params, priority)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
         self._register(request_id, stream, ("add", request_id, prompt, params, priority, time.monotonic(),
-                                                tuple(resume_token_ids)))
+                                                tuple(resume_token_ids), resume_choices))
         finished = False
         try:
             while not finished:
-                out = await stream.get()
-                finished = out.finished
-                yield out
+                for out in await stream.get():
+                    finished = out.request_finished
+                    yield out
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -209,9 +222,10 @@ class AsyncEngine:
             if item[0] == "abort":
                 self.engine.abort(item[1])
                 continue
-            _, rid, prompt, params, priority, arrival, resume = item
+            _, rid, prompt, params, priority, arrival, resume, choices = item
             try:
-                self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival, resume_token_ids=resume)
+                self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival, resume_token_ids=resume,
+                                        resume_choices=choices)
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 stream = self._streams.get(rid)
                 if stream is not None:

@@ -16,7 +16,7 @@ import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from engine.config import EngineConfig
 from engine.errors import EngineOverloadedError, InvalidRequestError
@@ -25,7 +25,7 @@ from engine.model import ModelArch
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
 from engine.request import Request
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured import GrammarBook
 
@@ -83,7 +83,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_total_tokens)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids | _generation_eos_ids(self.model_path))
         self.grammars = GrammarBook(self.model_path, self.arch.vocab_size, self.eos_token_ids)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, list[Request]] = {}
+        """Each request's unfinished choices (one unless ``n`` > 1), by request id."""
         self._seq = itertools.count()
         self._rng = random.Random(config.model.seed)
         self._pending: list[StreamOutput] = []
@@ -142,13 +143,15 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                    resume_token_ids: Sequence[int] = ()) -> str:
+                    resume_token_ids: Sequence[int] = (),
+                    resume_choices: Mapping[int, Sequence[int]] | None = None) -> str:
         """Queue a request. ``resume_token_ids``: output tokens it already produced elsewhere (a
         replica died mid-stream); they are recomputed like a preempted request's, counted in
-        ``max_tokens`` and in the seeded sampler's positions, and not emitted again."""
+        ``max_tokens`` and in the seeded sampler's positions, and not emitted again.
+        ``resume_choices``: the same for ``n`` > 1, by choice index: only the choices named run."""
         params = params or SamplingParams()
         prompt = self.check_request(prompt_token_ids, params, priority)
-        resumed = self._check_resume(prompt, params, resume_token_ids)
+        plan = self._choices(prompt, params, resume_token_ids, resume_choices)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} chars")
@@ -162,16 +165,47 @@ class LLMEngine:
             raise EngineOverloadedError(
                 f"engine queue is full ({waiting} waiting, max_waiting "
                 f"{self.config.scheduler.max_waiting}); retry later or on another replica")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(request_id, prompt, params, priority, next(self._seq), self.max_total_tokens, seed,
-                      self.eos_token_ids, arrival_time)
-        req.token_ids.extend(resumed)
-        if params.structured_outputs is not None:
-            req.matcher = self.grammars.matcher(params.structured_outputs, resumed)
-        req.record(req.timing.arrival_time, "queued", self.scheduler.num_waiting, len(self.scheduler.running))
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        base_seed = params.seed if params.seed is not None else None
+        matchers = {i: self.grammars.matcher(params.structured_outputs, done) for i, done in plan.items()
+                    } if params.structured_outputs is not None else {}
+        choices = []
+        for index, done in plan.items():
+            seed = (base_seed + index) % (MAX_SEED + 1) if base_seed is not None else self._rng.getrandbits(63)
+            req = Request(request_id, prompt, params, priority, next(self._seq), self.max_total_tokens, seed,
+                          self.eos_token_ids, arrival_time, index)
+            req.token_ids.extend(done)
+            req.matcher = matchers.get(index)
+            req.record(req.timing.arrival_time, "queued", self.scheduler.num_waiting, len(self.scheduler.running))
+            choices.append(req)
+        self.requests[request_id] = choices
+        lead, rest = choices[0], choices[1:]
+        if self.block_manager.enable_prefix_caching and len(prompt) > self.block_manager.block_size:
+            lead.held = rest  # queued once the lead's prompt blocks are cached (_release_held)
+            rest = []
+        for req in (lead, *rest):
+            self.scheduler.add(req)
         return request_id
+
+    def _choices(self, prompt: list[int], params: SamplingParams, resume_token_ids: Sequence[int],
+                 resume_choices: Mapping[int, Sequence[int]] | None) -> dict[int, list[int]]:
+        """Index -> output tokens already produced, for each choice to run."""
+        if resume_choices is None:
+            plan = {i: [] for i in range(params.n)}
+            if resume_token_ids:
+                if params.n > 1:
+                    raise InvalidRequestError("resume_token_ids is for n = 1; give resume_choices for n > 1")
+                plan[0] = self._check_resume(prompt, params, resume_token_ids)
+            return plan
+        if resume_token_ids:
+            raise InvalidRequestError("give resume_token_ids or resume_choices, not both")
+        if not isinstance(resume_choices, Mapping) or not resume_choices:
+            raise InvalidRequestError("resume_choices must map choice indices to output token ids")
+        plan = {}
+        for i in sorted(resume_choices):
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < params.n:
+                raise InvalidRequestError(f"resume_choices keys must be choice indices in [0, {params.n}), got {i!r}")
+            plan[i] = self._check_resume(prompt, params, resume_choices[i])
+        return plan
 
     def _check_ids(self, name: str, ids: list) -> None:
         vocab = self.vocab_size
@@ -192,16 +226,28 @@ class LLMEngine:
                                       f"within {self.max_total_tokens} tokens")
         return resumed
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request; its slot and blocks are free before the next step."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Drop a request (or one of its choices); its slots and blocks are free before the next step."""
+        choices = self.requests.get(request_id)
+        if choices is None:
             return False
-        self.scheduler.abort(req)
-        req.timing.finished_time = time.monotonic()
-        req.record(req.timing.finished_time, "finished", req.finish_reason, req.num_output_tokens)
-        self._stats.num_aborted += 1
-        self._pending.append(self._output(req, [], None))
+        doomed = [r for r in choices if index is None or r.index == index]
+        if not doomed:
+            return False
+        now = time.monotonic()
+        for req in doomed:
+            choices.remove(req)
+            if index is not None:  # its siblings were waiting for its prompt: they compute it themselves
+                for sibling in req.held:
+                    self.scheduler.add(sibling)
+            req.held = []
+            self.scheduler.abort(req)
+            req.timing.finished_time = now
+            req.record(now, "finished", req.finish_reason, req.num_output_tokens)
+            self._pending.append(self._output(req, [], None, len(choices)))
+        if not choices:
+            del self.requests[request_id]
+            self._stats.num_aborted += 1
         return True
 
     def has_unfinished(self) -> bool:
@@ -242,6 +288,10 @@ class LLMEngine:
         if req.timing.first_token_time is None:
             req.timing.first_token_time = now
             req.record(now, "first_token")
+        if req.held:  # its prompt blocks are in the prefix cache now: the siblings start from them
+            for sibling in req.held:
+                self.scheduler.add(sibling)
+            req.held = []
         n_out = req.num_output_tokens
         p = req.params
         reason = None
@@ -257,17 +307,25 @@ class LLMEngine:
         return self._output(req, [tok], [lp] if lp is not None else None)
 
     def finish(self, req: Request, reason: str, now: float | None = None) -> None:
-        self.requests.pop(req.request_id, None)
+        choices = self.requests.get(req.request_id, [])
+        if req in choices:
+            choices.remove(req)
+        if not choices:
+            self.requests.pop(req.request_id, None)
+            self._stats.num_finished += 1
         self.scheduler.remove(req)
         req.finish_reason = reason
         req.timing.finished_time = now or time.monotonic()
         req.record(req.timing.finished_time, "finished", reason, req.num_output_tokens)
-        self._stats.num_finished += 1
 
-    def _output(self, req: Request, new_ids: list[int], lps: list | None) -> StreamOutput:
+    def _output(self, req: Request, new_ids: list[int], lps: list | None,
+                choices_running: int | None = None) -> StreamOutput:
         done = req.finished
+        if choices_running is None:
+            choices_running = len(self.requests.get(req.request_id, ()))
         return StreamOutput(
-            request_id=req.request_id, new_token_ids=new_ids, finished=done,
+            request_id=req.request_id, index=req.index, choices_running=choices_running,
+            new_token_ids=new_ids, finished=done,
             finish_reason=req.finish_reason if done else None, stop_token_id=req.stop_token_id,
             new_logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,

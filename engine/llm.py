@@ -57,18 +57,19 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for (_, ids), params, prio in zip(encoded, params_list, prios):  # reject before scheduling anything
             self.engine.check_request(ids, params, prio)
-        trackers: dict[str, _TextTracker] = {}
+        trackers: dict[str, list[_TextTracker]] = {}
         todo = []
         for (text, ids), params, prio in zip(encoded, params_list, prios):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            trackers[rid] = _TextTracker(rid, text, ids, params, self.tokenizer)
+            trackers[rid] = [_TextTracker(i, params, self.tokenizer) for i in range(params.n)]
             todo.append((rid, ids, params, prio))
         # Fed in the scheduler's own order, so priorities hold even beyond the queue bound.
         self._run(collections.deque(sorted(todo, key=lambda item: item[3])), trackers, use_tqdm)
-        return [tracker.result() for tracker in trackers.values()]  # in prompt order
+        return [_result(rid, text, ids, choices)  # in prompt order
+                for (rid, choices), (text, ids) in zip(trackers.items(), encoded)]
 
-    def _run(self, todo: collections.deque, trackers: dict[str, "_TextTracker"], use_tqdm: bool) -> None:
+    def _run(self, todo: collections.deque, trackers: dict[str, list["_TextTracker"]], use_tqdm: bool) -> None:
         """Step until all is done, adding requests as the engine's bounded queue has room.
 
         On any exception (a model error, KeyboardInterrupt) what this call added is aborted,
@@ -82,12 +83,12 @@ class LLM:
             while todo or self.engine.has_unfinished():
                 self._feed(todo)
                 for out in self.engine.step():
-                    tracker = trackers.get(out.request_id)
-                    if tracker is None or tracker.done:
+                    choices = trackers.get(out.request_id)
+                    if choices is None or choices[out.index].done:
                         continue
-                    if tracker.push(out) and not out.finished:
-                        self.engine.abort(out.request_id)  # a stop string matched
-                    if tracker.done and bar is not None:
+                    if choices[out.index].push(out) and not out.finished:
+                        self.engine.abort(out.request_id, out.index)  # a stop string matched
+                    if bar is not None and all(c.done for c in choices):
                         bar.update(1)
         except BaseException:
             self._abort_all(trackers)  # aborting one never added or already done is a no-op
@@ -115,11 +116,17 @@ class LLM:
             self.engine.step()  # nothing left to run: only hands back the abort messages
 
 
-class _TextTracker:
-    """Accumulates one request's tokens and text (``engine.detokenizer.TextStream``, as serving does)."""
+def _result(rid: str, prompt: str | None, prompt_ids: list[int], choices: list["_TextTracker"]) -> RequestOutput:
+    last = max(choices, key=lambda c: (c.timing and c.timing.finished_time) or 0.0)  # the request's end
+    outputs = [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in choices]
+    return RequestOutput(rid, prompt, prompt_ids, outputs, True, choices[0].num_cached, last.timing)
 
-    def __init__(self, rid, prompt, prompt_ids, params: SamplingParams, tokenizer) -> None:
-        self.rid, self.prompt, self.prompt_ids, self.params = rid, prompt, prompt_ids, params
+
+class _TextTracker:
+    """Accumulates one choice's tokens and text (``engine.detokenizer.TextStream``, as serving does)."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer) -> None:
+        self.index, self.params = index, params
         self.token_ids: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.text = ""
@@ -149,7 +156,3 @@ class _TextTracker:
         elif out.finished:
             self.finish_reason, self.done = out.finish_reason, True
         return stopped
-
-    def result(self) -> RequestOutput:
-        comp = CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)
-        return RequestOutput(self.rid, self.prompt, self.prompt_ids, [comp], True, self.num_cached, self.timing)

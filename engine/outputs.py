@@ -59,6 +59,7 @@ class StreamOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
+    """This choice ended (the request has ended when no choice runs: ``request_finished``)."""
     finish_reason: str | None = None
     stop_token_id: int | None = None
     """The token id that ended the request, when it ended on EOS / a stop token id."""
@@ -68,6 +69,14 @@ class StreamOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     timing: RequestTiming | None = None
+    index: int = 0
+    """Which of the request's ``n`` choices this is."""
+    choices_running: int = 0
+    """The request's choices still running after this output (this one, if it goes on)."""
+
+    @property
+    def request_finished(self) -> bool:
+        return self.finished and self.choices_running == 0
 
 
 @dataclass(slots=True)

@@ -27,12 +27,12 @@ class Request:
         "request_id", "params", "priority", "seq_no", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
-        "max_total_tokens", "seed", "eos_token_ids", "matcher",
+        "max_total_tokens", "seed", "eos_token_ids", "matcher", "index", "held",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int, seq_no: int, max_total_tokens: int, seed: int,
-                 eos_token_ids: frozenset[int], arrival_time: float | None = None) -> None:
+                 eos_token_ids: frozenset[int], arrival_time: float | None = None, index: int = 0) -> None:
         self.request_id = request_id
         self.params = params
         self.priority = priority
@@ -53,6 +53,10 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.matcher = None
         """The grammar's state (``engine.structured``) when the request has ``structured_outputs``."""
+        self.index = index
+        """Which of the request's ``n`` choices this sequence is (its siblings share ``request_id``)."""
+        self.held: list[Request] = []
+        """Siblings queued only once this one's prompt is in the prefix cache, so they share its blocks."""
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -85,5 +89,5 @@ class Request:
         return (self.priority, self.seq_no)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+        return (f"Request({self.request_id!r}#{self.index}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

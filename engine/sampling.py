@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -10,6 +10,7 @@ from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutputs
 from engine.validation import Bool, Float, Int, Text, validated
 
+MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -29,8 +30,9 @@ class SamplingParams:
     whatever batch it runs in and across preemptions.
     """
 
-    n: Literal[1] = 1
-    """One completion per request."""
+    n: Int = Field(1, ge=1, le=MAX_N)
+    """Choices to generate from the prompt, each its own sequence: they share the prompt's KV
+    blocks, and a seeded request's choice ``i`` draws with ``seed + i``."""
     temperature: Float = Field(1.0, ge=0, le=100)
     top_p: Float = Field(1.0, gt=0, le=1)
     top_k: Int = Field(0, ge=-1, le=MAX_INT64)

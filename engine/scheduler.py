@@ -114,7 +114,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(time=time.monotonic())
         budget = self.token_budget
-        scheduled: dict[str, ScheduledChunk] = {}
+        scheduled: dict[int, ScheduledChunk] = {}
         # Decodes before the rest of chunked prefills (a recomputed request keeps its old
         # seq_no and would otherwise take the whole budget ahead of decoding requests).
         self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.priority, r.seq_no))
@@ -129,7 +129,7 @@ class Scheduler:
             if not self._reserve(req, n, scheduled, out):
                 continue
             chunk = ScheduledChunk(req, req.num_computed_tokens, n)
-            scheduled[req.request_id] = chunk
+            scheduled[req.seq_no] = chunk
             budget -= n
         # Refund budget of chunks whose request was preempted after being scheduled.
         budget = self.token_budget - sum(c.num_tokens for c in scheduled.values())
@@ -140,7 +140,7 @@ class Scheduler:
         out.num_batched_tokens = self.token_budget - budget
         return out
 
-    def _reserve(self, req: Request, n: int, scheduled: dict[str, ScheduledChunk],
+    def _reserve(self, req: Request, n: int, scheduled: dict[int, ScheduledChunk],
                  out: SchedulerOutput) -> bool:
         """Grow ``req``'s block table to cover ``n`` more tokens, preempting if the pool is dry."""
         need = self.blocks.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
@@ -153,8 +153,8 @@ class Scheduler:
             req.block_ids.extend(self.blocks.allocate(need))
         return True
 
-    def _preempt(self, req: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> None:
-        scheduled.pop(req.request_id, None)
+    def _preempt(self, req: Request, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput) -> None:
+        scheduled.pop(req.seq_no, None)
         self.running.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
@@ -185,7 +185,7 @@ class Scheduler:
         else:
             heapq.heappop(self.waiting)
 
-    def _admit(self, budget: int, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> int:
+    def _admit(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_candidate()
             if req is None:
@@ -214,7 +214,7 @@ class Scheduler:
             req.last_block_hash = hashes[-1] if hashes else ROOT_HASH
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled[req.request_id] = ScheduledChunk(req, num_cached, n, num_cached)
+            scheduled[req.seq_no] = ScheduledChunk(req, num_cached, n, num_cached)
             out.admitted.append(req.request_id)
             budget -= n
         return budget

@@ -50,7 +50,7 @@ def test_engine_records_why_a_request_waited_and_was_preempted(tiny_model_dir):
     engine = LLMEngine.from_options(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=8,
                                     max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    reqs = [engine.requests[engine.add_request(list(range(3 + 30 * i, 23 + 30 * i)), params)] for i in range(3)]
+    reqs = [engine.requests[engine.add_request(list(range(3 + 30 * i, 23 + 30 * i)), params)][0] for i in range(3)]
     while engine.has_unfinished():
         engine.step()
     trails = [audit_records(r.timing) for r in reqs]
@@ -66,7 +66,7 @@ def test_engine_records_why_a_request_waited_and_was_preempted(tiny_model_dir):
 def test_an_aborted_request_ends_its_trail_with_abort(tiny_model_dir):
     engine = LLMEngine.from_options(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=16)
     rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
-    req = engine.requests[rid]
+    req = engine.requests[rid][0]
     engine.step()
     engine.step()
     engine.abort(rid)

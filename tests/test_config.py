@@ -180,7 +180,7 @@ def test_sampling_params_are_frozen_and_hashable():
 
 
 BAD_SAMPLING = [
-    ("n", 2), ("n", 0),
+    ("n", 65), ("n", 0), ("n", True),
     ("temperature", -0.1), ("temperature", 100.5), ("temperature", math.nan), ("temperature", math.inf),
     ("temperature", "1"), ("temperature", True),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", math.nan), ("top_p", None),

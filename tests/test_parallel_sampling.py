@@ -1,0 +1,165 @@
+"""n > 1: several choices of one prompt, each its own sequence, sharing the prompt's KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError
+
+PROMPT = list(range(10, 43))  # 33 tokens: 4 full blocks of 8 and one token more
+
+
+def _engine(model_dir, **options) -> LLMEngine:
+    kw = dict(dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=8)
+    kw.update(options)
+    return LLMEngine.from_options(str(model_dir), **kw)
+
+
+def _run(eng: LLMEngine) -> list:
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    return outs
+
+
+def _choices(outs: list, request_id: str) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    for out in outs:
+        if out.request_id == request_id:
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_seeded_choices_draw_with_seed_plus_index(tiny_model_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7, n=3)
+    eng = _engine(tiny_model_dir)
+    eng.add_request(PROMPT, params, request_id="r")
+    got = _choices(_run(eng), "r")
+    assert sorted(got) == [0, 1, 2]
+    for i in range(3):
+        alone = _engine(tiny_model_dir)
+        alone.add_request(PROMPT, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7 + i))
+        assert got[i] == [t for out in _run(alone) for t in out.new_token_ids]
+    assert len({tuple(v) for v in got.values()}) == 3  # three distinct draws
+
+
+def test_choices_share_the_prompt_blocks(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+    eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=3), request_id="r")
+    outs = _run(eng)
+    s = eng.stats()
+    assert s.prefix_cache_queries == 3 * 33
+    assert s.prefix_cache_hits == 2 * 32  # the lead computes the prompt; each sibling finds its 4 full blocks
+    assert {o.index: o.num_cached_tokens for o in outs if o.finished} == {0: 0, 1: 32, 2: 32}
+    greedy = _choices(outs, "r")
+    assert greedy[0] == greedy[1] == greedy[2]  # greedy: the same tokens, however they were computed
+    assert s.kv_blocks_used == 0 and s.num_finished == 1
+
+
+def test_one_output_ends_the_request_and_it_comes_last(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+    eng.add_request(PROMPT, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, n=2, seed=1),
+                    request_id="a")
+    eng.add_request(PROMPT[:5], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=2, seed=2),
+                    request_id="b")
+    outs = _run(eng)
+    for rid in "ab":
+        mine = [o for o in outs if o.request_id == rid]
+        assert [o.request_finished for o in mine].count(True) == 1 and mine[-1].request_finished
+        assert sorted(o.index for o in mine if o.finished) == [0, 1]
+        assert all(o.choices_running >= 1 for o in mine[:-1])
+
+
+def test_abort_a_choice_or_the_request(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+    params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, n=3, seed=3)
+    eng.add_request(PROMPT, params, request_id="r")
+    eng.step()
+    eng.step()
+    assert eng.abort("r", index=1)
+    assert not eng.abort("r", index=1)
+    outs = _run(eng)
+    aborted = [o for o in outs if o.index == 1]
+    assert len(aborted) == 1 and aborted[0].finish_reason == "abort" and not aborted[0].request_finished
+    assert {o.index for o in outs if o.finish_reason == "length"} == {0, 2}
+    assert outs[-1].request_finished and eng.stats().kv_blocks_used == 0
+
+    eng.add_request(PROMPT, params, request_id="s")
+    eng.step()
+    assert eng.abort("s")
+    outs = eng.step()
+    assert sorted(o.index for o in outs) == [0, 1, 2] and all(o.finish_reason == "abort" for o in outs)
+    assert outs[-1].request_finished and not eng.has_unfinished() and eng.stats().kv_blocks_used == 0
+
+
+def test_aborting_the_lead_before_its_prefill_releases_its_siblings(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+    eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=3), request_id="r")
+    assert eng.abort("r", index=0)
+    outs = _run(eng)
+    assert {o.index for o in outs if o.finish_reason == "length"} == {1, 2}
+
+
+def test_preemption_keeps_every_choice_seeded(tiny_model_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, n=4, seed=11)
+    roomy = _engine(tiny_model_dir)
+    roomy.add_request(PROMPT, params, request_id="r")
+    expected = _choices(_run(roomy), "r")
+    tight = _engine(tiny_model_dir, num_kv_blocks=14)  # 4 shared blocks + 3 own per choice at the end: 16
+    tight.add_request(PROMPT, params, request_id="r")
+    assert _choices(_run(tight), "r") == expected
+    assert tight.stats().num_preemptions > 0
+
+
+def test_resume_choices(tiny_model_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, n=3, seed=5)
+    eng = _engine(tiny_model_dir)
+    eng.add_request(PROMPT, params, request_id="r")
+    full = _choices(_run(eng), "r")
+    again = _engine(tiny_model_dir)
+    again.add_request(PROMPT, params, request_id="r", resume_choices={1: full[1][:4], 2: full[2][:7]})
+    got = _choices(_run(again), "r")
+    assert got == {1: full[1][4:], 2: full[2][7:]}  # choice 0 had finished: not run again
+
+    for bad, match in [({3: []}, "resume_choices keys"), ({}, "resume_choices must map"),
+                       ({0: list(range(10))}, "max_tokens"), ({"0": []}, "resume_choices keys")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            again.add_request(PROMPT, params, resume_choices=bad)
+    with pytest.raises(InvalidRequestError, match="resume_choices for n > 1"):
+        again.add_request(PROMPT, params, resume_token_ids=[1, 2])
+    assert not again.has_unfinished()
+
+
+@pytest.mark.parametrize("n", [0, 65, True, 1.5])
+def test_n_out_of_range(tiny_model_dir, n):
+    with pytest.raises(InvalidRequestError, match=r"n must|n: "):
+        SamplingParams(n=n)
+
+
+def test_offline_llm_returns_n_completions(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=64)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=3, seed=2)
+    [out] = llm.generate({"prompt_token_ids": PROMPT}, params)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert not llm.engine.has_unfinished()
+
+
+def test_async_engine_streams_every_choice(tiny_model_dir):
+    async def main():
+        engine = AsyncEngine.from_options(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=64)
+        try:
+            params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=2, seed=4)
+            outs = [out async for out in engine.generate(PROMPT, params)]
+        finally:
+            engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].request_finished and sum(o.request_finished for o in outs) == 1
+    assert {i: sum(len(o.new_token_ids) for o in outs if o.index == i) for i in (0, 1)} == {0: 6, 1: 6}
