@@ -42,7 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 
-    sampling = pb.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature)
+    sampling = pb.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature, n=args.n)
     if args.seed is not None:
         sampling.seed = args.seed
     if args.json_schema is not None:
@@ -57,13 +57,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         request.prompt = args.prompt
     call = _stub(args.target).Generate(request, timeout=args.timeout, metadata=_metadata(args.api_key))
+    texts: dict[int, list[str]] = {}
     try:
         for response in call:
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-            if response.finish_reason:
+            reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+            if args.n == 1:  # streamed as it comes
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+            else:  # each choice whole, once it ends
+                texts.setdefault(response.index, []).append(response.text)
+                if response.finish_reason:
+                    print(f"--- choice {response.index} ({reason}) ---\n{''.join(texts.pop(response.index))}")
+            if response.HasField("usage"):
                 usage = response.usage
-                reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
                 print(f"\n[{reason}; {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens]",
                       file=sys.stderr)
     except grpc.RpcError as exc:
@@ -230,6 +236,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     g.add_argument("--seed", type=int)
+    g.add_argument("--n", type=int, default=1, help="choices to generate (each printed whole when it ends)")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", help="hold the output to this JSON schema (JSON text)")

@@ -15,8 +15,14 @@ from typing import AsyncIterator, Protocol, Sequence
 from router.policy import ROUTING_NOTE
 
 
+def ends_request(message: dict) -> bool:
+    """Whether an engine message (``replica.stream_message``) is its request's last: its choice
+    finished and no other one still runs."""
+    return message.get("finish_reason") is not None and not message.get("choices_running")
+
+
 class EngineStream(Protocol):
-    """One request's engine messages (``replica.stream_message`` dicts), last one finished."""
+    """One request's engine messages (``replica.stream_message`` dicts), the last one ``ends_request``."""
 
     def __aiter__(self) -> AsyncIterator[dict]: ...
 

@@ -24,7 +24,8 @@ from deployments.metrics import IngressMetrics
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
                                   check_logit_bias, check_messages_length, check_text, check_vocab, effective_timeout,
                                   new_request_id, parse_messages)
-from deployments.textstream import TextAssembler, TextDelta
+from deployments.engine_client import ends_request
+from deployments.textstream import TextAssembler, TextDelta, last_delta
 from deployments.tracing import Tracing
 from engine.errors import EngineDeadError, InvalidRequestError
 
@@ -203,7 +204,8 @@ class Frontend:
     # -- streaming -------------------------------------------------------------------
 
     async def stream(self, req: PreparedRequest) -> AsyncIterator[TextDelta]:
-        """Text deltas until the last one (``finish_reason`` set).
+        """Text deltas until the request's last one (``ends_request``); with ``n`` > 1, each
+        choice's deltas (``index``) as they come, every choice's last one with its ``finish_reason``.
 
         Consume it with ``contextlib.aclosing``: closing it early (client gone) aborts
         the request in its engine, so the slot is free before the next step. A replica
@@ -215,19 +217,21 @@ class Frontend:
         if limit is not None and len(self._inflight) >= limit:
             raise Overloaded(f"this ingress holds {len(self._inflight)} streams, its share of all the engines "
                              "can run or queue; retry later")
-        assembler = TextAssembler(self.tokenizer, req.request_id, req.params, len(req.prompt_token_ids),
-                                  req.client_request_id)
+        prompt_len = len(req.prompt_token_ids)
+        choices = [TextAssembler(self.tokenizer, req.request_id, req.params, prompt_len, req.client_request_id, i)
+                   for i in range(req.params.n)]
         inflight = self._inflight[req.request_id] = _Inflight(self._engine.generate(req.engine_request()))
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
         retries = {"lost": 0, "crashed": 0, "overloaded": 0}
         engine_done = False
         try:
-            while not assembler.finished:
+            while not all(c.finished for c in choices):
                 try:
                     message = await _next(inflight.stream, deadline)
                 except StopAsyncIteration:
                     engine_done = True
-                    yield assembler.abort()
+                    for delta in _abort_all(choices, prompt_len):
+                        yield delta
                     return
                 except (asyncio.TimeoutError, TimeoutError) as exc:
                     if deadline is None:
@@ -236,18 +240,23 @@ class Frontend:
                                            "and was aborted; raise timeout_s or ask for fewer tokens") from None
                 except Exception as exc:
                     if inflight.aborted:  # the abort itself ends a remote stream with an error
-                        yield assembler.abort()
+                        for delta in _abort_all(choices, prompt_len):
+                            yield delta
                         return
-                    await self._retry_or_raise(req, inflight, assembler, retries, exc)
+                    await self._retry_or_raise(req, inflight, choices, retries, exc)
                     continue
-                engine_done = message.get("finish_reason") is not None
-                yield assembler.push(message)
+                engine_done = ends_request(message)
+                choice = choices[message.get("index", 0)]
+                if choice.finished:  # ended by a stop string; the engine runs it until the others end
+                    continue
+                delta = choice.push(message)
+                yield last_delta(delta, choices, prompt_len) if all(c.finished for c in choices) else delta
         finally:
             self._inflight.pop(req.request_id, None)
             if not engine_done:  # client gone, stop string, deadline or error: free the slot now
                 await inflight.stream.aclose()
 
-    async def _retry_or_raise(self, req: PreparedRequest, inflight: "_Inflight", assembler: TextAssembler,
+    async def _retry_or_raise(self, req: PreparedRequest, inflight: "_Inflight", choices: list[TextAssembler],
                               retries: dict[str, int], exc: Exception) -> None:
         """Send the request again (resumed from the tokens the client has) or raise the error."""
         err = to_serving_error(exc)
@@ -261,14 +270,19 @@ class Frontend:
         if kind == "overloaded" and not await self._room_elsewhere():
             raise err from exc  # every replica is full: tell the client at once
         retries[kind] += 1
-        done = assembler.token_ids
-        logger.warning("request %s (client id %s): %s; resuming after %d tokens (retry %d of %d)", req.request_id,
-                       req.client_request_id, err.message, len(done), retries[kind], limit)
+        logger.warning("request %s (client id %s): %s; resuming after %s tokens (retry %d of %d)", req.request_id,
+                       req.client_request_id, err.message, "/".join(str(len(c.token_ids)) for c in choices),
+                       retries[kind], limit)
         await inflight.stream.aclose()
         if kind != "overloaded":  # give Serve a moment to stop routing to the dead replica
             await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (retries[kind] - 1))
-        inflight.stream = self._engine.generate(req.engine_request(resume_token_ids=done,
-                                                                   attempt=sum(retries.values())))
+        attempt = sum(retries.values())
+        if req.params.n == 1:
+            request = req.engine_request(resume_token_ids=choices[0].token_ids, attempt=attempt)
+        else:  # the choices still running, each from its own tokens
+            request = req.engine_request(resume_choices={c.index: c.token_ids for c in choices if not c.finished},
+                                         attempt=attempt)
+        inflight.stream = self._engine.generate(request)
 
     async def _room_elsewhere(self) -> bool:
         """Whether some healthy replica has a free slot (then the router sends the retry there)."""
@@ -320,6 +334,13 @@ class Frontend:
         if not any(r.get("healthy") for r in load["replicas"]):
             raise Unavailable(f"no healthy engine replica ({len(load['replicas'])} known); "
                               "they may still be loading the model")
+
+
+def _abort_all(choices: list[TextAssembler], num_prompt_tokens: int) -> list[TextDelta]:
+    """The last deltas of the choices still running, for a request that ended without the engine saying so."""
+    deltas = [c.abort() for c in choices if not c.finished]
+    deltas[-1] = last_delta(deltas[-1], choices, num_prompt_tokens)
+    return deltas
 
 
 def _retry_kind(exc: BaseException, err: ServingError) -> str | None:

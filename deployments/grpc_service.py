@@ -31,7 +31,7 @@ from engine.validation import FieldError, field_errors
 
 SERVICE_NAME = "slotserve.v1.SlotServe"
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "seed", "skip_special_tokens")
+                      "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "seed", "skip_special_tokens", "n")
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
            "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
            "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
@@ -167,7 +167,7 @@ def delta_to_proto(delta: TextDelta, audit: bool = False) -> pb.GenerateResponse
     """``audit``: the client asked for the audit trail (only the last delta has one)."""
     out = pb.GenerateResponse(request_id=delta.request_id, client_request_id=delta.client_request_id or "",
                               text=delta.text, token_ids=delta.token_ids,
-                              finish_reason=_FINISH[delta.finish_reason])
+                              finish_reason=_FINISH[delta.finish_reason], index=delta.index)
     if delta.usage is not None:
         out.usage.prompt_tokens = delta.usage.prompt_tokens
         out.usage.completion_tokens = delta.usage.completion_tokens
@@ -206,12 +206,12 @@ class SlotServeGrpcMixin:
             tools = proto_tools(msg, self.frontend.config.tool_call_parser)
             prepared = await self.frontend.prepare(generate_input(msg, tools), span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
-            calls = ToolStream(tools.parser, tools.single) if tools.parser else None
+            calls = [ToolStream(tools.parser, tools.single) for _ in range(prepared.params.n)] if tools.parser else None
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
                 async for delta in deltas:
                     last = delta
                     out = delta_to_proto(delta, msg.return_audit)
-                    yield out if calls is None else with_tool_calls(out, delta, calls)
+                    yield out if calls is None else with_tool_calls(out, delta, calls[delta.index])
         except Exception as exc:
             span.end(last, exc)
             self.frontend.metrics.rejected(exc)

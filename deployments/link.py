@@ -32,6 +32,7 @@ import socket
 import time
 from typing import Any, AsyncIterator, Callable, Protocol
 
+from deployments.engine_client import ends_request
 from deployments.errors import Unavailable
 import msgspec
 
@@ -184,7 +185,7 @@ class LinkServer:
                     return
                 writer.write(outputs(batch))
                 for rid, message, exc in batch:
-                    if exc is not None or message.get("finish_reason") is not None:
+                    if exc is not None or ends_request(message):
                         t0 = started.pop(rid, None)
                         if t0 is not None:
                             _log_access(rid, "OK" if exc is None else "ERROR", t0)

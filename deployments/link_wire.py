@@ -50,6 +50,7 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     priority: int = 0
     attempt: int = 0
     resume_token_ids: list[int] = []
+    resume_choices: dict[int, list[int]] | None = None
     trace_context: dict[str, str] | None = None
     operation: str = "text_completion"
     routing: dict[str, Any] | None = None
@@ -59,6 +60,8 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         """The replica's request dict; a bad sampling field raises SamplingParams's error."""
         request = msgspec.structs.asdict(self)
         request["params"] = SamplingParams(**self.params)
+        if self.resume_choices is None:
+            del request["resume_choices"]
         return request
 
 
@@ -89,6 +92,8 @@ class StreamMessage(msgspec.Struct):
     num_output_tokens: int
     num_cached_tokens: int
     audit: list[dict[str, Any]] | None = None
+    index: int = 0
+    choices_running: int = 0
 
 
 class WireError(msgspec.Struct, array_like=True):

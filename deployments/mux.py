@@ -21,6 +21,7 @@ import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
+from deployments.engine_client import ends_request
 from deployments.errors import Unavailable
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,7 @@ class _MuxStream:
         self._done = False
         self.abort_wanted = False
         self._pending_error: BaseException | None = None
+        self._held: tuple | None = None
 
     def __aiter__(self) -> "_MuxStream":
         return self
@@ -206,6 +208,8 @@ class _MuxStream:
             self._client._start(self)
         if self._pending_error is not None:
             message, error = None, self._pending_error
+        elif self._held is not None:
+            (message, error), self._held = self._held, None
         else:
             message, error = await self.queue.get()
         while error is None and message.get("finish_reason") is None and not self.queue.empty():
@@ -214,8 +218,11 @@ class _MuxStream:
             if later_error is not None:  # raised on the next call, after these tokens
                 self._pending_error = later_error
                 break
+            if later.get("index", 0) != message.get("index", 0):  # another choice's: next time
+                self._held = later, None
+                break
             message = merge_messages(message, later)
-        if error is not None or message.get("finish_reason") is not None:
+        if error is not None or ends_request(message):
             self._done = True
             self._client._forget(self)
         if error is not None:

@@ -168,7 +168,7 @@ class OpenAIRoutes:
             prepared = await self.frontend.prepare(parsed.input, span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
             builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name,
-                                      parsed.tools)
+                                      parsed.tools, prepared.params.n)
             headers = _id_headers(request, prepared)
             if parsed.stream:
                 return await self._stream(prepared, parsed, builder, span, audit, headers)
@@ -228,13 +228,12 @@ def _with_audit(body: dict, last, audit: bool) -> dict:
 async def _events(first, deltas: AsyncIterator, parsed: ParsedBody, builder: ResponseBuilder, metrics, span,
                   audit: bool):
     try:
-        opening = builder.first_chunk()
-        if opening is not None:
+        for opening in builder.first_chunks():
             yield _sse(opening)
         delta = first
         while True:
             yield _sse(builder.chunk(delta, parsed.include_usage))
-            if delta.finish_reason is not None:
+            if delta.ends_request:
                 break
             delta = await deltas.__anext__()
         span.end(delta)

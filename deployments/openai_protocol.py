@@ -4,7 +4,7 @@ The request bodies are pydantic models: every error is a ``BadRequest`` naming t
 field as OpenAI's ``param`` (``messages.0.role``). vLLM's extra sampling fields (top_k,
 min_p, repetition_penalty, seed, ignore_eos, min_tokens, stop_token_ids, priority, ...)
 are accepted next to OpenAI's and checked by ``SamplingParams``; fields that would
-change the meaning of a request but are not served (n > 1, echo, ...) are refused
+change the meaning of a request but are not served (echo, best_of, ...) are refused
 by name instead of being silently ignored.
 """
 
@@ -24,9 +24,8 @@ from engine.validation import Bool, Str, field_errors
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "top_k", "min_p",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
-                "include_stop_str_in_output", "logit_bias", "structured_outputs")
+                "include_stop_str_in_output", "logit_bias", "structured_outputs", "n")
 REFUSED = {  # field: (the values served, why others are not)
-    "n": ((None, 1), "one completion per request"),
     "echo": ((None, False), "the prompt is not echoed back"),
     "best_of": ((None, 1), "one candidate per request"),
     "suffix": ((None, ""), "insertion (suffix) is not supported"),

@@ -41,17 +41,18 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
 
 
 class ResponseBuilder:
-    """Builds the JSON objects of one response (whole or streamed chunks)."""
+    """Builds the JSON objects of one response (whole or streamed chunks), ``n`` choices of it."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, tools: ToolUse = ToolUse()) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, tools: ToolUse = ToolUse(), n: int = 1) -> None:
         """``tools``: how the reply is read for tool calls (``deployments.tools``)."""
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
-        self._text_offset = 0
+        self.n = n
+        self._text_offsets = [0] * n
         self._tool_use = tools
-        self._tools = ToolStream(tools.parser, tools.single) if tools.parser else None
+        self._tools = [ToolStream(tools.parser, tools.single) for _ in range(n)] if tools.parser else None
 
     def _envelope(self, obj: str, choices: list, usage: Usage | None, with_usage: bool) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -60,48 +61,55 @@ class ResponseBuilder:
         return out
 
     def whole(self, deltas: list[TextDelta]) -> dict:
+        by_choice: dict[int, list[TextDelta]] = {i: [] for i in range(self.n)}
+        for d in deltas:
+            by_choice[d.index].append(d)
+        choices = [self._whole_choice(i, mine) for i, mine in by_choice.items()]
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices, deltas[-1].usage, True)
+
+    def _whole_choice(self, index: int, deltas: list[TextDelta]) -> dict:
         text = "".join(d.text for d in deltas)
         last = deltas[-1]
         logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
-        if self.chat:
-            use = self._tool_use
-            parsed = parse_tool_calls(text, use.parser, use.single) if use.parser else ToolCalls(text)
-            message = {"role": "assistant", "content": parsed.content}
-            if parsed.calls:
-                message["tool_calls"] = parsed.calls
-            choice = {"index": 0, "message": message, "logprobs": chat_logprobs(logprobs),
-                      "finish_reason": _finish(last.finish_reason, parsed)}
-            return self._envelope("chat.completion", [choice], last.usage, True)
-        choice = {"index": 0, "text": text, "logprobs": completion_logprobs(logprobs),
-                  "finish_reason": last.finish_reason}
-        return self._envelope("text_completion", [choice], last.usage, True)
-
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant's role; completions have no such chunk."""
         if not self.chat:
-            return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return self._envelope("chat.completion.chunk", [choice], None, False)
+            return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs),
+                    "finish_reason": last.finish_reason}
+        use = self._tool_use
+        parsed = parse_tool_calls(text, use.parser, use.single) if use.parser else ToolCalls(text)
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = parsed.calls
+        return {"index": index, "message": message, "logprobs": chat_logprobs(logprobs),
+                "finish_reason": _finish(last.finish_reason, parsed)}
+
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant's role, a chunk per choice; completions have none."""
+        if not self.chat:
+            return []
+        return [self._envelope("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                          "logprobs": None, "finish_reason": None}], None, False)
+                for i in range(self.n)]
 
     def chunk(self, delta: TextDelta, include_usage: bool) -> dict:
+        i = delta.index
         if self.chat:
             text, finish, calls = delta.text, delta.finish_reason, []
             if self._tools is not None:
-                text = self._tools.push(delta.text)
+                text = self._tools[i].push(delta.text)
                 if finish is not None:
-                    parsed = self._tools.finish()
+                    parsed = self._tools[i].finish()
                     text, calls, finish = text + (parsed.content or ""), parsed.calls, _finish(finish, parsed)
             body = {"content": text} if text or not finish else {}
             if calls:  # each call whole, in one delta (OpenAI clients accept a call in one piece or many)
-                body["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-            choice = {"index": 0, "delta": body, "logprobs": chat_logprobs(_list(delta.logprobs)),
+                body["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+            choice = {"index": i, "delta": body, "logprobs": chat_logprobs(_list(delta.logprobs)),
                       "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta.text,
-                      "logprobs": completion_logprobs(_list(delta.logprobs), self._text_offset),
+            choice = {"index": i, "text": delta.text,
+                      "logprobs": completion_logprobs(_list(delta.logprobs), self._text_offsets[i]),
                       "finish_reason": delta.finish_reason}
-            self._text_offset += len(delta.text)
+            self._text_offsets[i] += len(delta.text)
             obj = "text_completion"
         # with include_usage, every chunk carries "usage": null and a last chunk carries the totals
         return self._envelope(obj, [choice], None, include_usage)

@@ -62,7 +62,8 @@ def stream_message(out: StreamOutput) -> dict:
     carries the request's scheduling audit trail (``engine.outputs.audit_records``)."""
     message = {"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
                "logprobs": out.new_logprobs, "num_prompt_tokens": out.num_prompt_tokens,
-               "num_output_tokens": out.num_output_tokens, "num_cached_tokens": out.num_cached_tokens}
+               "num_output_tokens": out.num_output_tokens, "num_cached_tokens": out.num_cached_tokens,
+               "index": out.index, "choices_running": out.choices_running}
     if out.finished and out.timing is not None:
         message["audit"] = audit_records(out.timing)
     return message
@@ -130,7 +131,8 @@ class EngineReplica:
         rid = request["request_id"]
         stream = self._engine.generate(request["prompt_token_ids"], request["params"], request_id=rid,
                                        priority=request.get("priority", 0),
-                                       resume_token_ids=request.get("resume_token_ids", ()))
+                                       resume_token_ids=request.get("resume_token_ids", ()),
+                                       resume_choices=request.get("resume_choices"))
         self._active.add(rid)
         self._start_metrics_loop()
         request_metrics = self._metrics.request()
@@ -140,7 +142,7 @@ class EngineReplica:
             async for out in stream:
                 last = out
                 request_metrics.on_message(out)
-                finished = out.finished
+                finished = out.request_finished
                 if finished:  # done here, even if the consumer never asks for more
                     self._active.discard(rid)
                     request_metrics.on_end(out)

@@ -102,13 +102,15 @@ class PreparedRequest:
     operation: str = "text_completion"
     """GenAI operation name for traces: ``chat`` (messages) or ``text_completion``."""
 
-    def engine_request(self, resume_token_ids: Sequence[int] = (), attempt: int = 0) -> dict:
+    def engine_request(self, resume_token_ids: Sequence[int] = (), attempt: int = 0,
+                       resume_choices: Mapping[int, Sequence[int]] | None = None) -> dict:
         """The dict sent to ``EngineReplica.generate``: token ids only, no text.
 
         Routers read ``prompt_token_ids`` from it (the first positional argument) to
         match cached prefixes. ``resume_token_ids``: output tokens the client already has
         (a replica died mid-stream); the engine recomputes them and goes on from there.
         ``attempt``: how many times it was sent before (its wire id differs each time).
+        ``resume_choices``: with ``n`` > 1, the choices still to run, each with the tokens it has.
         """
         engine_params = dataclasses.replace(self.params, stop=(), include_stop_str_in_output=False)
         request = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
@@ -116,6 +118,8 @@ class PreparedRequest:
                    "operation": self.operation}
         if resume_token_ids:
             request["resume_token_ids"] = list(resume_token_ids)
+        if resume_choices is not None:
+            request["resume_choices"] = {int(i): list(ids) for i, ids in resume_choices.items()}
         if attempt:
             request["attempt"] = attempt
         return request

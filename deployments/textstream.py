@@ -8,6 +8,7 @@ usage match the text.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
@@ -36,7 +37,7 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
-    """What one engine step adds to one request's output."""
+    """What one engine step adds to one choice of a request's output."""
 
     request_id: str
     """The server's id (what Abort takes)."""
@@ -46,20 +47,25 @@ class TextDelta:
     finish_reason: str | None = None
     """None while running; "stop", "length" or "abort" on the last delta."""
     usage: Usage | None = None
-    """Set on the last delta."""
+    """Set on the last delta of the request: all its choices' output tokens."""
     client_request_id: str | None = None
     """The client's own id, echoed back."""
     audit: tuple[dict, ...] | None = None
     """On the last delta: the engine's scheduling audit trail (``engine.outputs.audit_records``)."""
+    index: int = 0
+    """Which of the request's ``n`` choices it belongs to."""
+    ends_request: bool = False
+    """The request's last delta: every choice has finished (``finish_reason`` is that of this one)."""
 
 
 class TextAssembler:
-    """Turns one request's engine messages into text deltas."""
+    """Turns one choice's engine messages into text deltas."""
 
     def __init__(self, tokenizer, request_id: str, params: SamplingParams, num_prompt_tokens: int,
-                 client_request_id: str | None = None) -> None:
+                 client_request_id: str | None = None, index: int = 0) -> None:
         self._tokenizer = tokenizer
         self._request_id = request_id
+        self.index = index
         self._client_request_id = client_request_id
         self.token_ids: list[int] = []
         """Every output token passed on so far: where a resumed request picks up."""
@@ -86,23 +92,35 @@ class TextAssembler:
         logprobs = None
         if self._want_logprobs:
             logprobs = tuple(self._logprob(t, lp) for t, lp in zip(ids, message.get("logprobs") or []))
-        usage = audit = None
+        audit = None
         if finish:
             self.finished = True
-            usage = Usage(self._num_prompt_tokens, self._num_output_tokens, self._num_cached_tokens)
             audit = tuple(message.get("audit") or ())
-        return TextDelta(self._request_id, text, tuple(ids), logprobs, finish, usage,
-                         self._client_request_id, audit)
+        return TextDelta(self._request_id, text, tuple(ids), logprobs, finish, None, self._client_request_id, audit,
+                         self.index)
 
     def abort(self) -> TextDelta:
-        """The last delta of a request that ended without the engine saying so."""
+        """The last delta of a choice that ended without the engine saying so."""
         self.finished = True
-        usage = Usage(self._num_prompt_tokens, self._num_output_tokens, self._num_cached_tokens)
         return TextDelta(self._request_id, self._text.finish(), (), () if self._want_logprobs else None, "abort",
-                         usage, self._client_request_id)
+                         None, self._client_request_id, None, self.index)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_output_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._num_cached_tokens
 
     def _logprob(self, token_id: int, alternatives: dict) -> TokenLogprob:
         ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self._num_top]
         top = tuple((int(t), float(lp), self._tokenizer.decode([int(t)])) for t, lp in ranked)
         own = alternatives.get(token_id, float("nan"))
         return TokenLogprob(int(token_id), float(own), self._tokenizer.decode([int(token_id)]), top)
+
+
+def last_delta(delta: TextDelta, choices: list[TextAssembler], num_prompt_tokens: int) -> TextDelta:
+    """``delta`` as the request's last: the usage of all its choices (the prompt counted once)."""
+    usage = Usage(num_prompt_tokens, sum(c.num_output_tokens for c in choices), choices[0].num_cached_tokens)
+    return dataclasses.replace(delta, usage=usage, ends_request=True)

@@ -30,6 +30,8 @@ class _Req:
         self.rid, self.prompt, self.params, self.priority = rid, prompt, params, priority
         self.output: list[int] = []
         self.emitted = 0
+        self.index = 0
+        self.ended = False  # its last output was handed out
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
         self.wake = asyncio.Event()
@@ -48,6 +50,7 @@ class FakeAsyncEngine:
         self._running: "OrderedDict[str, _Req]" = OrderedDict()
         self._waiting: "OrderedDict[str, _Req]" = OrderedDict()
         self._digest: "OrderedDict[int, None]" = OrderedDict()
+        self._groups: dict[str, list[str]] = {}  # request id -> its choices' ids
         self._stats = EngineStats(max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size,
                                   kv_blocks_total=config.cache.num_kv_blocks or 256)
         self._loop_task: asyncio.Task | None = None
@@ -64,33 +67,59 @@ class FakeAsyncEngine:
     # -- the AsyncEngine interface ---------------------------------------------------
 
     async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, resume_token_ids=()) -> AsyncIterator[StreamOutput]:
-        req = self._submit(list(prompt_token_ids), params, request_id or uuid.uuid4().hex, priority)
-        req.output = list(resume_token_ids)  # already sent by another replica: not emitted again
-        req.emitted = len(req.output)
+                       priority: int = 0, resume_token_ids=(), resume_choices=None) -> AsyncIterator[StreamOutput]:
+        rid = request_id or uuid.uuid4().hex
+        plan = dict(resume_choices) if resume_choices is not None else {i: [] for i in range(params.n)}
+        if resume_token_ids:
+            plan[0] = list(resume_token_ids)
+        if rid in self._groups:
+            raise InvalidRequestError(f"request_id {rid!r} is already running")
+        wake = asyncio.Event()
+        choices = []
+        self._groups[rid] = []
+        try:
+            for index, done in plan.items():  # choice i steps with an offset of i: each its own tokens
+                req = self._submit(list(prompt_token_ids), params, rid if params.n == 1 else f"{rid}/{index}",
+                                   priority)
+                req.index, req.wake = index, wake
+                req.output = list(done)  # already sent by another replica: not emitted again
+                req.emitted = len(req.output)
+                choices.append(req)
+                self._groups[rid].append(req.rid)
+        except BaseException:
+            self.abort(rid)
+            raise
         try:
             while True:
-                await req.wake.wait()
-                req.wake.clear()
-                if self._dead is not None and req.finish_reason is None:
+                await wake.wait()
+                wake.clear()
+                if self._dead is not None and any(c.finish_reason is None for c in choices):
                     raise EngineDeadError(self._dead)  # as the real engine fails its open streams
-                out = self._drain(req)
-                if out is not None:
+                for req in choices:
+                    out = None if req.ended else self._drain(req)
+                    if out is None:
+                        continue
+                    req.ended = out.finished
+                    running = sum(not c.ended for c in choices)
+                    out.choices_running, out.request_id = running, rid
                     yield out
-                    if out.finished:
+                    if out.request_finished:
                         return
         finally:
-            self.abort(req.rid)
+            self.abort(rid)
 
     def abort(self, request_id: str) -> bool:
-        req = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
-        if req is None:
-            return False
-        if req.finish_reason is None:
-            req.finish_reason = "abort"
-            self._stats.num_aborted += 1
-        req.wake.set()
-        return True
+        found = False
+        for rid in self._groups.pop(request_id, [request_id]):
+            req = self._running.pop(rid, None) or self._waiting.pop(rid, None)
+            if req is None:
+                continue
+            found = True
+            if req.finish_reason is None:
+                req.finish_reason = "abort"
+                self._stats.num_aborted += 1
+            req.wake.set()
+        return found
 
     def stats(self) -> EngineStats:
         s = self._stats
@@ -169,7 +198,7 @@ class FakeAsyncEngine:
         generated = len(self._running)
         for rid, req in list(self._running.items()):
             last = (req.output or req.prompt)[-1]
-            token = (last * 31 + 7) % self.vocab_size
+            token = (last * 31 + 7 + req.index) % self.vocab_size
             req.output.append(token)
             req.timing.first_token_time = req.timing.first_token_time or time.monotonic()
             self._check_finished(req, token)
@@ -205,4 +234,4 @@ class FakeAsyncEngine:
         return StreamOutput(request_id=req.rid, new_token_ids=new, finished=req.finish_reason is not None,
                             finish_reason=req.finish_reason, stop_token_id=req.stop_token_id, new_logprobs=logprobs,
                             num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
-                            timing=req.timing)
+                            timing=req.timing, index=req.index)

@@ -218,7 +218,9 @@ KINDS = [
     K("request-id-too-long", g(request_id="r" * 129), c(), param="request_id", headers={"x-request-id": "r" * 129}),
     K("request-id-not-printable", g(request_id="a\tb"), c(), param="request_id", headers={"x-request-id": "a\tb"}),
     # -- OpenAI features refused by name -------------------------------------------------------
-    K("n-2", None, c(n=2), param="n"),
+    K("n-zero", g(n=0), c(n=0), param="n"),
+    K("n-above-limit", g(n=65), c(n=65), param="n", needle="integer in [1, 64]"),
+    K("n-not-an-integer", None, c(n=2.5), param="n"),
     K("best-of-2", None, c(best_of=2), param="best_of"),
     K("logit-bias-outside-vocab", g(logit_bias={10**6: 5}), c(logit_bias={str(10**6): 5}), param="logit_bias.1000000",
       needle="not a token id of this model"),

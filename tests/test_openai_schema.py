@@ -50,7 +50,7 @@ def test_every_body_is_described(app):
         assert props["model"]["enum"] == [SERVED, "fake-model"]  # the served name, and what engines load
         # types and bounds come from SamplingParams: the same source as the check
         assert props["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0, "maximum": 100}
-        assert props["n"]["anyOf"] == [{"type": "null"}, {"const": 1}]
+        assert props["n"]["anyOf"] == [{"type": "integer", "minimum": 1, "maximum": 64}, {"type": "null"}]
         _validator(doc, request).check_schema(doc["components"]["schemas"][request])
     assert "HTTPValidationError" not in doc["components"]["schemas"]  # FastAPI's 422: never sent
 

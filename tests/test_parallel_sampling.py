@@ -163,3 +163,72 @@ def test_async_engine_streams_every_choice(tiny_model_dir):
     outs = asyncio.run(main())
     assert outs[-1].request_finished and sum(o.request_finished for o in outs) == 1
     assert {i: sum(len(o.new_token_ids) for o in outs if o.index == i) for i in (0, 1)} == {0: 6, 1: 6}
+
+
+# -- served: the openai SDK and the gRPC methods over one real engine (tests.real_serving) ---------------------
+
+SERVED = {"max_num_seqs": 4, "num_kv_blocks": 40, "max_model_len": 256}
+TEXT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill."
+
+
+def test_openai_n_over_a_real_engine(tiny_model_dir, tokenizer):
+    """Three seeded choices whole and streamed (chat), each the offline LLM's choice of that index;
+    usage counts every choice once; the siblings found the prompt's blocks in the prefix cache."""
+    import httpx2
+    import openai
+
+    from deployments.openai_api import build_openai_app
+    from tests.real_serving import ENGINE, real_frontend
+
+    async def main():
+        async with real_frontend(tiny_model_dir, tokenizer, **SERVED) as (frontend, replica):
+            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=build_openai_app(frontend)))
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http)
+            whole = await client.completions.create(model="tiny", prompt=TEXT, n=3, seed=7, max_tokens=8,
+                                                    temperature=1.0, extra_body={"ignore_eos": True})
+            hits = replica.engine.stats().prefix_cache_hits
+            messages = [{"role": "user", "content": TEXT}]
+            chat = await client.chat.completions.create(model="tiny", messages=messages, n=2, seed=3, max_tokens=6,
+                                                        temperature=1.0)
+            stream = await client.chat.completions.create(model="tiny", messages=messages, n=2, seed=3,
+                                                          max_tokens=6, temperature=1.0, stream=True,
+                                                          stream_options={"include_usage": True})
+            chunks = [c async for c in stream]
+            await http.aclose()
+            return whole, hits, chat, chunks
+
+    whole, hits, chat, chunks = asyncio.run(asyncio.wait_for(main(), 120))
+    llm = LLM(str(tiny_model_dir), **{**ENGINE, **SERVED})
+    [want] = llm.generate(TEXT, SamplingParams(n=3, seed=7, max_tokens=8, temperature=1.0, ignore_eos=True))
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == [o.text for o in want.outputs]
+    assert len({c.text for c in whole.choices}) == 3
+    assert whole.usage.completion_tokens == 24 and whole.usage.prompt_tokens == len(tokenizer.encode(TEXT))
+    assert hits >= 2 * 16 * ((len(want.prompt_token_ids) - 1) // 16) > 0  # both siblings reused the lead's blocks
+    # streamed: a role chunk per choice, each choice's deltas reassemble to the whole reply
+    streamed = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {c.index: c.message.content for c in chat.choices}
+    assert sorted(c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason) == ["length"] * 2
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens == 12
+
+
+def test_grpc_n_indexes_every_message(tiny_model_dir, tokenizer):
+    from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+    from tests.real_serving import GrpcContext, GrpcService, real_frontend
+
+    async def main():
+        async with real_frontend(tiny_model_dir, tokenizer, **SERVED) as (frontend, _):
+            request = pb.GenerateRequest(prompt=TEXT, sampling=pb.SamplingOptions(n=2, seed=9, max_tokens=5,
+                                                                                   temperature=1.0, ignore_eos=True))
+            return [m async for m in GrpcService(frontend).Generate(request.SerializeToString(), GrpcContext())]
+
+    messages = asyncio.run(asyncio.wait_for(main(), 60))
+    tokens = {i: [t for m in messages if m.index == i for t in m.token_ids] for i in (0, 1)}
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=16, num_kv_blocks=40)
+    [want] = llm.generate(TEXT, SamplingParams(n=2, seed=9, max_tokens=5, temperature=1.0, ignore_eos=True))
+    assert tokens == {o.index: list(o.token_ids) for o in want.outputs}
+    assert [m.HasField("usage") for m in messages].count(True) == 1 and messages[-1].usage.completion_tokens == 10
+    assert sorted(m.index for m in messages if m.finish_reason) == [0, 1]

@@ -137,7 +137,7 @@ def test_completion_body():
     ({"prompt": "x"}, "model is required"),
     ({"model": "m"}, "prompt is required"),
     ({"model": "m", "prompt": ["a", "b"]}, "one prompt per request"),
-    ({"model": "m", "prompt": "x", "n": 2}, "^n is not supported"),
+    ({"model": "m", "prompt": "x", "best_of": 2}, "^best_of is not supported"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "frobnicate": 1}, "unknown field"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
