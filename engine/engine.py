@@ -165,12 +165,11 @@ class LLMEngine:
             raise EngineOverloadedError(
                 f"engine queue is full ({waiting} waiting, max_waiting "
                 f"{self.config.scheduler.max_waiting}); retry later or on another replica")
-        base_seed = params.seed if params.seed is not None else None
         matchers = {i: self.grammars.matcher(params.structured_outputs, done) for i, done in plan.items()
                     } if params.structured_outputs is not None else {}
         choices = []
         for index, done in plan.items():
-            seed = (base_seed + index) % (MAX_SEED + 1) if base_seed is not None else self._rng.getrandbits(63)
+            seed = (params.seed + index) % (MAX_SEED + 1) if params.seed is not None else self._rng.getrandbits(63)
             req = Request(request_id, prompt, params, priority, next(self._seq), self.max_total_tokens, seed,
                           self.eos_token_ids, arrival_time, index)
             req.token_ids.extend(done)
@@ -180,7 +179,7 @@ class LLMEngine:
         self.requests[request_id] = choices
         lead, rest = choices[0], choices[1:]
         if self.block_manager.enable_prefix_caching and len(prompt) > self.block_manager.block_size:
-            lead.held = rest  # queued once the lead's prompt blocks are cached (_release_held)
+            lead.held = rest  # queued at the lead's first token, when its prompt blocks are cached
             rest = []
         for req in (lead, *rest):
             self.scheduler.add(req)

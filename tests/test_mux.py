@@ -190,12 +190,18 @@ def test_merged_messages_keep_every_token_and_the_latest_counts():
     assert merge_messages(la, lb)["logprobs"] == [{1: -0.1}, {2: -0.2}, {3: -0.3}]
 
 
+def _hand_fed_stream():
+    """A stream whose queue the test fills itself (no replica feeds it)."""
+    client = MuxEngineClient(LocalEngineClient(_replicas()))
+    stream = client.generate(_request(0))
+    stream._started = True
+    client._streams[stream.request_id] = stream
+    return stream
+
+
 def test_a_stream_behind_gets_queued_messages_as_one_and_an_error_after_them():
     async def main():
-        client = MuxEngineClient(LocalEngineClient(_replicas()))
-        stream = client.generate(_request(0))
-        stream._started = True  # fed by hand below
-        client._streams[stream.request_id] = stream
+        stream = _hand_fed_stream()
         for i in range(3):
             stream.queue.put_nowait(({"token_ids": [i], "logprobs": None, "finish_reason": None}, None))
         stream.queue.put_nowait((None, Unavailable("replica gone")))
@@ -203,6 +209,40 @@ def test_a_stream_behind_gets_queued_messages_as_one_and_an_error_after_them():
         with pytest.raises(Unavailable):
             await stream.__anext__()
     run(main())
+
+
+def test_choices_are_merged_apart_and_the_stream_ends_with_the_last_choice():
+    async def main():
+        stream = _hand_fed_stream()
+        for index, tokens, finish, running in [(0, [1], None, 2), (0, [2], None, 2), (1, [7], None, 2),
+                                               (1, [8], "length", 1), (0, [3], "stop", 0)]:
+            stream.queue.put_nowait(({"token_ids": tokens, "logprobs": None, "finish_reason": finish,
+                                      "index": index, "choices_running": running}, None))
+        got = [await stream.__anext__() for _ in range(3)]
+        assert [(m["index"], m["token_ids"], m["finish_reason"]) for m in got] == [
+            (0, [1, 2], None), (1, [7, 8], "length"), (0, [3], "stop")]
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+    run(main())
+
+
+def test_n_through_the_mux_and_a_resume_of_the_running_choices():
+    async def main():
+        client = MuxEngineClient(LocalEngineClient(_replicas(2)))
+        request = {**_request(5), "params": SamplingParams(max_tokens=12, ignore_eos=True, n=3)}
+        whole = {}
+        async for m in client.generate(dict(request)):
+            whole.setdefault(m["index"], []).extend(m["token_ids"])
+        resumed = {}
+        async for m in client.generate({**request, "request_id": "again",
+                                        "resume_choices": {1: whole[1][:4], 2: whole[2][:9]}}):
+            resumed.setdefault(m["index"], []).extend(m["token_ids"])
+        return whole, resumed
+
+    whole, resumed = run(main())
+    assert sorted(whole) == [0, 1, 2] and all(len(v) == 12 for v in whole.values())
+    assert len({tuple(v) for v in whole.values()}) == 3
+    assert resumed == {1: whole[1][4:], 2: whole[2][9:]}
 
 
 def test_streams_a_replica_no_longer_knows_are_unavailable():

@@ -143,6 +143,18 @@ def test_structured_outputs_over_both_protocols(service, capsys):
     assert capsys.readouterr().out.strip() in ("up", "down")
 
 
+def test_n_choices_streamed_over_engine_links_match_the_offline_llm(service, tiny_model_dir):
+    from engine import LLM, SamplingParams
+
+    [want] = LLM(str(tiny_model_dir), **ENGINE).generate(PROMPTS[1], SamplingParams(
+        n=3, seed=8, temperature=1.0, max_tokens=6, ignore_eos=True))
+    texts = {0: "", 1: "", 2: ""}
+    for c in service.openai().completions.create(model="tiny", prompt=PROMPTS[1], n=3, seed=8, max_tokens=6,
+                                                 stream=True, extra_body={"ignore_eos": True}):
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == {o.index: o.text for o in want.outputs}
+
+
 def test_a_forced_tool_call_through_the_served_app(service):
     from tests.test_tool_calls import USER, WEATHER
 
@@ -343,6 +355,8 @@ def test_health_info_tokenize_and_cli(service, offline, capsys):
                  PROMPTS[0]]) == 0
     out = capsys.readouterr()
     assert out.out.rstrip("\n") == offline[0][0].rstrip("\n") and "24 completion tokens" in out.err
+    assert main(["generate", "--target", f"127.0.0.1:{service.grpc_port}", "--n", "2", "--max-tokens", "3", "x"]) == 0
+    assert capsys.readouterr().out.count("--- choice ") == 2  # each choice whole
 
 
 def test_an_oversized_body_from_a_plain_client_gets_a_413_it_can_read(service):
