@@ -28,8 +28,9 @@ class EngineStream(Protocol):
 
     async def __anext__(self) -> dict: ...
 
-    def abort(self) -> None:
-        """Ask the engine to stop this request; the stream then ends (or raises) soon after."""
+    def abort(self, index: int | None = None) -> None:
+        """Ask the engine to stop this request; the stream then ends (or raises) soon after.
+        ``index``: stop only that choice; the stream goes on with the others."""
 
     async def aclose(self) -> None:
         """Stop consuming; a request still running is aborted in its engine."""
@@ -60,8 +61,8 @@ class _LocalStream:
     async def __anext__(self) -> dict:
         return await self._gen.__anext__()
 
-    def abort(self) -> None:
-        self._replica.abort(self._request_id)
+    def abort(self, index: int | None = None) -> None:
+        self._replica.abort(self._request_id, index)
 
     async def aclose(self) -> None:
         await self._gen.aclose()
@@ -102,8 +103,8 @@ class LocalEngineClient:
     def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list]:
         return self._by_id(replica_id).hub.subscribe(ingress_id)
 
-    async def abort_on(self, request_id: str, replica_id: str) -> bool:
-        return self._by_id(replica_id).abort(request_id)
+    async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
+        return self._by_id(replica_id).abort(request_id, index)
 
     def _by_id(self, replica_id: str):
         return next(r for r in self._replicas if r.replica_id == replica_id)

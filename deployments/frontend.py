@@ -250,7 +250,12 @@ class Frontend:
                 if choice.finished:  # ended by a stop string; the engine runs it until the others end
                     continue
                 delta = choice.push(message)
-                yield last_delta(delta, choices, prompt_len) if all(c.finished for c in choices) else delta
+                if all(c.finished for c in choices):
+                    yield last_delta(delta, choices, prompt_len)
+                    continue
+                if choice.finished and message.get("finish_reason") is None:  # a stop string: free its slot
+                    inflight.stream.abort(choice.index)
+                yield delta
         finally:
             self._inflight.pop(req.request_id, None)
             if not engine_done:  # client gone, stop string, deadline or error: free the slot now

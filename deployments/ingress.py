@@ -72,8 +72,8 @@ class HandleEngineClient:
     async def submit_linked(self, request: dict) -> tuple[str, str]:
         return await self._handle.submit_linked.remote(request)
 
-    async def abort_on(self, request_id: str, replica_id: str) -> bool:
-        return await self._handle.abort.remote({"request_id": request_id, "replica_id": replica_id})
+    async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
+        return await self._handle.abort.remote({"request_id": request_id, "replica_id": replica_id, "index": index})
 
     def choose(self, request: dict, avoid: frozenset) -> tuple[str, str] | None:
         router = self.router()

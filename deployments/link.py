@@ -75,7 +75,7 @@ class Replica(Protocol):
 
     async def submit(self, request: dict) -> str: ...
 
-    def abort(self, request: str | dict) -> bool: ...
+    def abort(self, request: str | dict, index: int | None = None) -> bool: ...
 
 
 class LinkServer:
@@ -144,7 +144,7 @@ class LinkServer:
                 if isinstance(message, Submit):
                     await self._submit(message.request.as_dict(), writer, started)
                 elif isinstance(message, Abort):
-                    self._replica.abort(message.request_id)
+                    self._replica.abort(message.request_id, message.index)
                 else:
                     raise ValueError(f"unexpected {type(message).__name__} frame")
         except (asyncio.IncompleteReadError, OSError, asyncio.TimeoutError):
@@ -302,11 +302,11 @@ class LinkTransport:
         if replica_id in self._links and self._links[replica_id].closed:
             del self._links[replica_id]
 
-    async def abort_on(self, request_id: str, replica_id: str) -> bool:
+    async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
         link = self._links.get(replica_id)
         if link is None or link.closed:
-            return await self._serve.abort_on(request_id, replica_id)
-        link.send(Abort(request_id))
+            return await self._serve.abort_on(request_id, replica_id, index)
+        link.send(Abort(request_id, index))
         return True
 
     async def _link(self, replica_id: str) -> _Link:

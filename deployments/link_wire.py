@@ -75,6 +75,8 @@ class Submit(msgspec.Struct, tag="submit"):
 
 class Abort(msgspec.Struct, tag="abort"):
     request_id: str
+    index: int | None = None
+    """Only this choice of the request (``n`` > 1)."""
 
 
 IngressFrame = Union[Hello, Submit, Abort]

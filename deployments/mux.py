@@ -174,8 +174,8 @@ class MuxTransport(Protocol):
 
     def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list[Item]]: ...
 
-    async def abort_on(self, request_id: str, replica_id: str) -> bool:
-        """Abort a request on the replica running it."""
+    async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
+        """Abort a request (or its choice ``index``) on the replica running it."""
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request wherever it runs (every replica is asked)."""
@@ -229,7 +229,11 @@ class _MuxStream:
             raise error
         return message
 
-    def abort(self) -> None:
+    def abort(self, index: int | None = None) -> None:
+        if index is not None:  # one choice: it ended at the ingress, so its replica is known
+            if self.replica_id is not None and not self._done:
+                self._client._spawn(self._client.transport.abort_on(self.request_id, self.replica_id, index))
+            return
         self.abort_wanted = True
         if self.replica_id is not None and not self._done:
             self._client._spawn(self._client.transport.abort_on(self.request_id, self.replica_id))

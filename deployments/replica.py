@@ -198,15 +198,22 @@ class EngineReplica:
         except RuntimeError:  # built outside an event loop (tests): started by the first submit
             pass
 
-    def abort(self, request: str | dict) -> bool:
-        """Abort by server request id (or ``{"request_id": ...}``, the form a pinned handle call
-        carries); the stream then ends with finish_reason "abort". False: not running here."""
-        request_id = request["request_id"] if isinstance(request, dict) else request
-        if self._hub.abort_unstarted(request_id):  # its submit came in the same read, just before
+    def abort(self, request: str | dict, index: int | None = None) -> bool:
+        """Abort by server request id (or ``{"request_id": ..., "index": ...}``, the form a pinned
+        handle call carries); the stream then ends with finish_reason "abort". ``index``: only that
+        choice ends, the others go on. False: not running here."""
+        if isinstance(request, dict):
+            request_id, index = request["request_id"], request.get("index")
+        else:
+            request_id = request
+        if index is None and self._hub.abort_unstarted(request_id):  # its submit came in the same read
             return True
         if request_id not in self._active:
             return False
-        self._engine.abort(request_id)
+        if index is None:
+            self._engine.abort(request_id)
+        else:
+            self._engine.abort(request_id, index)
         return True
 
     def model_info(self) -> dict:

@@ -178,8 +178,9 @@ class AsyncEngine:
             self._inbox.append(add)
         self._wake.set()
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.append(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort a request, or only its choice ``index``."""
+        self._inbox.append(("abort", request_id, index))
         self._wake.set()
 
     # ------------------------------------------------------------------ loop thread
@@ -220,7 +221,7 @@ class AsyncEngine:
         while self._inbox:
             item = self._inbox.popleft()
             if item[0] == "abort":
-                self.engine.abort(item[1])
+                self.engine.abort(item[1], item[2])
                 continue
             _, rid, prompt, params, priority, arrival, resume, choices = item
             try:

@@ -108,9 +108,12 @@ class FakeAsyncEngine:
         finally:
             self.abort(rid)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, index: int | None = None) -> bool:
         found = False
-        for rid in self._groups.pop(request_id, [request_id]):
+        group = self._groups.get(request_id, [request_id])
+        if index is None:
+            self._groups.pop(request_id, None)
+        for rid in group if index is None else [r for r in group if r.endswith(f"/{index}")]:
             req = self._running.pop(rid, None) or self._waiting.pop(rid, None)
             if req is None:
                 continue

@@ -110,6 +110,26 @@ def test_closing_a_stream_aborts_its_request_over_the_link():
     run(main())
 
 
+def test_one_choice_is_aborted_over_the_link_and_the_others_go_on():
+    async def main():
+        reps, _, _, client = await _linked(1)
+        request = {**_request(0), "params": SamplingParams(max_tokens=LONG, ignore_eos=True, n=3)}
+        stream = client.generate(request)
+        first = await stream.__anext__()
+        stream.abort(1)
+        ended = {}
+        while len(ended) < 1:
+            m = await stream.__anext__()
+            if m["finish_reason"] is not None:
+                ended[m["index"]] = m["finish_reason"]
+        assert ended == {1: "abort"} and first["token_ids"]
+        await wait_load(reps[0], 2)  # two choices still run
+        await stream.aclose()
+        await wait_idle(reps)
+        await _shutdown(reps)
+    run(main())
+
+
 def test_a_lost_link_raises_in_its_streams_and_aborts_their_requests():
     async def main():
         reps, _, transport, client = await _linked(1)

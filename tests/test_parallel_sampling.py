@@ -232,3 +232,30 @@ def test_grpc_n_indexes_every_message(tiny_model_dir, tokenizer):
     assert tokens == {o.index: list(o.token_ids) for o in want.outputs}
     assert [m.HasField("usage") for m in messages].count(True) == 1 and messages[-1].usage.completion_tokens == 10
     assert sorted(m.index for m in messages if m.finish_reason) == [0, 1]
+
+
+def test_a_choice_ended_by_a_stop_string_stops_in_the_engine(tiny_model_dir, tokenizer):
+    """Its sequence is aborted at once (the engine generates ~one choice's budget, not two)."""
+    from deployments.requests import GenerateInput
+    from tests.real_serving import real_frontend
+
+    async def run_once(frontend, stop):
+        sampling = {"n": 2, "seed": 6, "max_tokens": 40, "temperature": 1.0, "ignore_eos": True, "stop": stop}
+        deltas = [d async for d in frontend.stream(await frontend.prepare(GenerateInput(prompt=TEXT,
+                                                                                        sampling=sampling)))]
+        return {i: ("".join(d.text for d in deltas if d.index == i),
+                    [d.finish_reason for d in deltas if d.index == i and d.finish_reason]) for i in (0, 1)}
+
+    async def main():
+        async with real_frontend(tiny_model_dir, tokenizer, **SERVED) as (frontend, replica):
+            free = await run_once(frontend, None)
+            stop = next(free[0][0][k:k + 2] for k in range(5, 30) if free[0][0][k:k + 2] not in free[1][0])
+            before = replica.engine.stats().num_generated_tokens
+            stopped = await run_once(frontend, [stop])
+            await asyncio.sleep(0.2)  # the abort message of choice 0 is handed back after the stream ended
+            return free, stop, stopped, replica.engine.stats().num_generated_tokens - before
+
+    free, stop, stopped, generated = asyncio.run(asyncio.wait_for(main(), 60))
+    assert stopped[0] == (free[0][0][:free[0][0].index(stop)], ["stop"])
+    assert stopped[1] == (free[1][0], ["length"])
+    assert generated < 60  # 40 for choice 1, a few for choice 0 (80 if it ran to its budget)
