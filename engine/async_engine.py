@@ -83,7 +83,7 @@ def _merge(items: list[StreamOutput]) -> StreamOutput:
                         finish_reason=last.finish_reason, stop_token_id=last.stop_token_id, new_logprobs=lps,
                         num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
                         num_cached_tokens=last.num_cached_tokens, timing=last.timing, index=last.index,
-                        choices_running=last.choices_running)
+                        choices_running=last.choices_running, prompt_logprobs=items[0].prompt_logprobs)
 
 
 class AsyncEngine:

@@ -134,6 +134,9 @@ class LLMEngine:
         self._check_ids("prompt_token_ids", prompt)
         if params.logit_bias:
             self._check_ids("logit_bias keys", list(params.logit_bias))
+        if params.prompt_logprobs is not None and self.tp is not None:
+            # The other ranks' LM heads would have to score the same extra rows (engine.tp).
+            raise InvalidRequestError("prompt_logprobs is not served with tensor parallelism")
         if len(prompt) >= self.max_total_tokens:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens; at most {self.max_total_tokens - 1} fit "
@@ -178,8 +181,11 @@ class LLMEngine:
             choices.append(req)
         self.requests[request_id] = choices
         lead, rest = choices[0], choices[1:]
-        if self.block_manager.enable_prefix_caching and len(prompt) > self.block_manager.block_size:
-            lead.held = rest  # queued at the lead's first token, when its prompt blocks are cached
+        # Queued at the lead's first token: its prompt blocks are cached then, and its first output
+        # (which carries the prompt logprobs) comes before any sibling's.
+        if (self.block_manager.enable_prefix_caching and len(prompt) > self.block_manager.block_size
+                or lead.prompt_logprobs is not None):
+            lead.held = rest
             rest = []
         for req in (lead, *rest):
             self.scheduler.add(req)
@@ -264,12 +270,14 @@ class LLMEngine:
             self._refresh_stats()
             return outputs
         try:
-            reqs, tokens, logprobs = self.runner.execute(sched.chunks, timings)
+            reqs, tokens, logprobs, prompt = self.runner.execute(sched.chunks, timings)
         except Exception as exc:
             if self.tp is not None:  # a lost rank or a failed collective: the ranks are out of step
                 raise self.tp.fail(exc) from exc
             raise
         t1 = time.perf_counter()
+        for req, entries in prompt:
+            req.prompt_logprobs.extend(entries)
         self.scheduler.after_step(sched)
         now = time.monotonic()
         for req, tok, lp in zip(reqs, tokens, logprobs):
@@ -284,7 +292,8 @@ class LLMEngine:
 
     def _append_token(self, req: Request, tok: int, lp: dict | None, now: float) -> StreamOutput:
         req.token_ids.append(tok)
-        if req.timing.first_token_time is None:
+        first = req.timing.first_token_time is None
+        if first:
             req.timing.first_token_time = now
             req.record(now, "first_token")
         if req.held:  # its prompt blocks are in the prefix cache now: the siblings start from them
@@ -303,7 +312,10 @@ class LLMEngine:
             reason = FINISH_LENGTH
         if reason is not None:
             self.finish(req, reason, now)
-        return self._output(req, [tok], [lp] if lp is not None else None)
+        out = self._output(req, [tok], [lp] if lp is not None else None)
+        if first:
+            out.prompt_logprobs = req.prompt_logprobs
+        return out
 
     def finish(self, req: Request, reason: str, now: float | None = None) -> None:
         choices = self.requests.get(req.request_id, [])

@@ -119,7 +119,8 @@ class LLM:
 def _result(rid: str, prompt: str | None, prompt_ids: list[int], choices: list["_TextTracker"]) -> RequestOutput:
     last = max(choices, key=lambda c: (c.timing and c.timing.finished_time) or 0.0)  # the request's end
     outputs = [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in choices]
-    return RequestOutput(rid, prompt, prompt_ids, outputs, True, choices[0].num_cached, last.timing)
+    return RequestOutput(rid, prompt, prompt_ids, outputs, True, choices[0].num_cached, last.timing,
+                         choices[0].prompt_logprobs)
 
 
 class _TextTracker:
@@ -134,6 +135,7 @@ class _TextTracker:
         self.done = False
         self.timing = None
         self.num_cached = 0
+        self.prompt_logprobs = None
         self.stream = TextStream.for_params(tokenizer, params) if tokenizer is not None else None
 
     def push(self, out) -> bool:
@@ -150,6 +152,8 @@ class _TextTracker:
         if self.logprobs is not None and out.new_logprobs:
             self.logprobs.extend(out.new_logprobs[:used])
         self.timing, self.num_cached = out.timing, out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         stopped = self.stream is not None and self.stream.stopped
         if stopped:
             self.finish_reason, self.done = FINISH_STOP, True

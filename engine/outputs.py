@@ -73,6 +73,9 @@ class StreamOutput:
     """Which of the request's ``n`` choices this is."""
     choices_running: int = 0
     """The request's choices still running after this output (this one, if it goes on)."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """On choice 0's first output, when asked: per prompt token, {token id: logprob} of it and its
+    alternatives (None for the first token, which nothing predicts)."""
 
     @property
     def request_finished(self) -> bool:
@@ -97,6 +100,8 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     timing: RequestTiming | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: per prompt token (None for the first)."""
 
 
 @dataclass(slots=True)

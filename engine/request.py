@@ -27,7 +27,7 @@ class Request:
         "request_id", "params", "priority", "seq_no", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
-        "max_total_tokens", "seed", "eos_token_ids", "matcher", "index", "held",
+        "max_total_tokens", "seed", "eos_token_ids", "matcher", "index", "held", "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -55,6 +55,10 @@ class Request:
         """The grammar's state (``engine.structured``) when the request has ``structured_outputs``."""
         self.index = index
         """Which of the request's ``n`` choices this sequence is (its siblings share ``request_id``)."""
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
+        """Per prompt token so far, when asked: {token id: logprob} of it and its alternatives (the
+        first token has none). Choice 0 computes them for all; its siblings use the prefix cache."""
         self.held: list[Request] = []
         """Siblings queued only once this one's prompt is in the prefix cache, so they share its blocks."""
 
@@ -73,6 +77,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:

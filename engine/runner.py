@@ -20,7 +20,7 @@ import torch
 
 from engine.attention import create_backend
 from engine.attention.block_table import BlockTable
-from engine.attention.metadata import build_step_inputs
+from engine.attention.metadata import build_step_inputs, order_chunks
 from engine.config import EngineConfig
 from engine.cpu_features import fast_bf16
 from engine.cuda_graphs import DecodeGraphs
@@ -29,7 +29,7 @@ from engine.model import ModelArch, load_model
 from engine.model.compiled import CompiledDecoder
 from engine.model.layers import cpu_prepack_supported
 from engine.parallel import ParallelGroup
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import Sampler, SamplingBatch, prompt_logprobs
 from engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -182,12 +182,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], timings: dict[str, float] | None = None):
-        """Run one step; returns (requests that sampled, their tokens, their logprobs)."""
+        """Run one step; returns (requests that sampled, their tokens, their logprobs, prompt
+        logprobs: (request, one {token id: logprob} per position it asked for) pairs)."""
         t0 = time.perf_counter()
         if self.send_step is not None:
             self.send_step(chunks)
         tb = time.perf_counter()
-        key = self.graphs.key_for(chunks) if self.graphs is not None else None
+        scored = [(c.request, c.prompt_logprob_positions) for c in order_chunks(chunks)[0]
+                  if c.request.needs_prompt_logprobs and c.prompt_logprob_positions]
+        key = self.graphs.key_for(chunks) if self.graphs is not None and not scored else None
         if key is None:
             sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks)
             reqs = [c.request for c in sampling]
@@ -205,6 +208,9 @@ class ModelRunner:
         if timings is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
+        prompt = []
+        if scored:
+            logits, prompt = logits[:len(reqs)], prompt_logprobs(logits[len(reqs):], scored)
         tokens, logprobs = self.sampler(logits, batch) if reqs else ([], [])
         t3 = time.perf_counter()
         if timings is not None:
@@ -213,7 +219,7 @@ class ModelRunner:
             timings["prepare"] = timings.get("prepare", 0.0) + (t1 - tb)
             timings["forward"] = timings.get("forward", 0.0) + (t2 - t1)
             timings["sample"] = timings.get("sample", 0.0) + (t3 - t2)
-        return reqs, tokens, logprobs
+        return reqs, tokens, logprobs, prompt
 
     @torch.inference_mode()
     def follow(self, chunks: list) -> None:

@@ -226,6 +226,30 @@ def suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch
     return logits
 
 
+def prompt_logprobs(logits: torch.Tensor, scored: list[tuple[Request, range]]) -> list[tuple[Request, list[dict]]]:
+    """Per (request, positions): the logprob of the prompt token after each position and the
+    request's ``prompt_logprobs`` alternatives, from those positions' logits rows (in order)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    nexts = torch.tensor([r.token_ids[q + 1] for r, positions in scored for q in positions], device=raw.device)
+    chosen = raw.gather(1, nexts.unsqueeze(1)).squeeze(1).tolist()
+    k = max(r.params.prompt_logprobs for r, _ in scored)
+    top_vals, top_ids = raw.topk(k, dim=-1) if k > 0 else (None, None)
+    tv, ti = (top_vals.tolist(), top_ids.tolist()) if k > 0 else (None, None)
+    out, row = [], 0
+    for req, positions in scored:
+        n = req.params.prompt_logprobs
+        entries = []
+        for q in positions:
+            entry = {req.token_ids[q + 1]: chosen[row]}
+            if n and ti is not None:
+                for tid, val in zip(ti[row][:n], tv[row][:n]):
+                    entry.setdefault(tid, val)
+            entries.append(entry)
+            row += 1
+        out.append((req, entries))
+    return out
+
+
 def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
                      b: SamplingBatch) -> list[dict[int, float] | None]:
     chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()

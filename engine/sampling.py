@@ -51,6 +51,9 @@ class SamplingParams:
     include_stop_str_in_output: Bool = False
     ignore_eos: Bool = False
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """Log-probabilities of the prompt's tokens (and this many alternatives each), computed in its
+    prefill: the request skips the prefix cache until they are."""
     seed: Int | None = Field(None, ge=0, le=MAX_SEED)
     skip_special_tokens: Bool = True
     logit_bias: dict[Annotated[Int, Field(ge=0, le=MAX_INT64)],

@@ -37,6 +37,16 @@ class ScheduledChunk:
         return self.start + self.num_tokens == self.request.num_tokens
 
     @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions whose logits this step must also return: each predicts the next prompt
+        token, whose logprob the request asked for and does not have yet."""
+        req = self.request
+        if req.prompt_logprobs is None:
+            return range(0)
+        return range(max(self.start, len(req.prompt_logprobs) - 1),
+                     min(self.start + self.num_tokens, req.num_prompt_tokens - 1))
+
+    @property
     def token_ids(self) -> list[int]:
         """The tokens computed in this step."""
         return self.request.token_ids[self.start:self.start + self.num_tokens]
@@ -190,7 +200,8 @@ class Scheduler:
             req = self._next_candidate()
             if req is None:
                 break
-            cached, hashes = self.blocks.match_prefix(req.token_ids)
+            # Prompt logprobs need the logits of every prompt position: nothing comes from the cache.
+            cached, hashes = ([], []) if req.needs_prompt_logprobs else self.blocks.match_prefix(req.token_ids)
             num_cached = len(cached) * self.blocks.block_size
             n = req.num_tokens - num_cached
             if n > budget:

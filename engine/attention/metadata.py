@@ -29,6 +29,9 @@ def order_chunks(chunks) -> tuple[list, int, int]:
 def build_step_inputs(chunks, block_size: int, device: torch.device, table: BlockTable | None = None):
     """Returns (chunks that sample, input_ids, positions, metadata, logits_indices).
 
+    ``logits_indices``: a row per chunk that samples, in order, then the rows of the positions
+    chunks name in ``prompt_logprob_positions`` (their logits score the next prompt token).
+
     ``chunks`` are engine.scheduler.ScheduledChunk (or engine.tp's copies of them on the
     other ranks): ``start``, ``num_tokens``, ``token_ids`` (this step's), ``block_ids`` and
     ``samples`` (the chunk reaches the request's last known token, so it yields logits).
@@ -55,9 +58,12 @@ def build_step_inputs(chunks, block_size: int, device: torch.device, table: Bloc
             row_of_token.extend([i] * c.num_tokens)
     cu_q = [0, *itertools.accumulate(query_lens)]
     sample_rows = [i for i, c in enumerate(order) if c.samples]
+    # After the sampling rows: the rows of prompt positions whose logprobs were asked for.
+    prompt_rows = [cu_q[i] + q - c.start for i, c in enumerate(order)
+                   for q in getattr(c, "prompt_logprob_positions", ())]
     # Three host tensors, shipped in non-blocking copies: per token, per request, cu_seqlens.
     per_token = torch.tensor([ids, positions, row_of_token], dtype=torch.int64)
-    per_request = torch.tensor(rows + [cu_q[i + 1] - 1 for i in sample_rows], dtype=torch.int64)
+    per_request = torch.tensor(rows + [cu_q[i + 1] - 1 for i in sample_rows] + prompt_rows, dtype=torch.int64)
     lengths = torch.tensor(cu_q + [0, *itertools.accumulate(kv_lens)] + kv_lens, dtype=torch.int32)
     if device.type != "cpu":
         # Pinned (torch's host allocator caches the pages): a copy from pageable memory would block.

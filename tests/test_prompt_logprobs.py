@@ -1,0 +1,109 @@
+"""Prompt logprobs: computed in the prefill (chunked, preempted, beside cached prefixes), equal to HF's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.factories import make_model_dir
+
+PROMPTS = [list(range(3, 40)), [7, 9, 11], [5] + list(range(100, 160))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = make_model_dir(tmp_path_factory.mktemp("plp"), "llama", seed=3, with_tokenizer=False)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf(hf, prompt: list[int], k: int) -> list[dict | None]:
+    with torch.no_grad():
+        raw = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    out: list[dict | None] = [None]
+    for q in range(len(prompt) - 1):
+        entry = {prompt[q + 1]: raw[q, prompt[q + 1]].item()}
+        vals, ids = raw[q].topk(k)
+        for t, v in zip(ids.tolist(), vals.tolist()):
+            entry.setdefault(t, v)
+        out.append(entry)
+    return out
+
+
+def _close(got: list, want: list) -> None:
+    assert len(got) == len(want) and got[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert set(g) == set(w) or len(g) == len(w)  # a near-tie may swap the last alternative
+        for t, v in w.items():
+            if t in g:
+                assert math.isclose(g[t], v, abs_tol=1e-4), (t, g[t], v)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+                                   {"num_kv_blocks": 12, "max_num_seqs": 3, "max_tokens": 30}],
+                         ids=["default", "chunked", "preempted"])
+def test_prompt_logprobs_equal_hf(model, knobs):
+    path, hf = model
+    knobs = dict(knobs)
+    max_tokens = knobs.pop("max_tokens", 6)
+    llm = LLM(str(path), dtype="float32", block_size=8, **{"num_kv_blocks": 64, **knobs})
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, out in zip(PROMPTS, outs):
+        _close(out.prompt_logprobs, _hf(hf, prompt, 3))
+        assert len(out.outputs[0].token_ids) == max_tokens
+    if "num_kv_blocks" in knobs:
+        assert llm.engine.stats().num_preemptions > 0
+
+
+def test_a_cached_prefix_is_recomputed_for_prompt_logprobs(model):
+    path, hf = model
+    eng = LLMEngine.from_options(str(path), dtype="float32", block_size=8, num_kv_blocks=64)
+    plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    eng.add_request(PROMPTS[0], plain)
+    while eng.has_unfinished():
+        eng.step()
+    hits = eng.stats().prefix_cache_hits
+    eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0),
+                    request_id="scored")
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert eng.stats().prefix_cache_hits == hits  # nothing taken from the cache
+    first = next(o for o in outs if o.request_id == "scored" and o.new_token_ids)
+    _close(first.prompt_logprobs, _hf(hf, PROMPTS[0], 0))
+    assert all(o.prompt_logprobs is None for o in outs if o is not first)
+
+
+def test_only_the_first_choice_scores_the_prompt(model):
+    path, hf = model
+    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=64)
+    [out] = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(
+        n=3, seed=1, max_tokens=3, ignore_eos=True, prompt_logprobs=1))
+    _close(out.prompt_logprobs, _hf(hf, PROMPTS[2], 1))
+    assert llm.engine.stats().prefix_cache_hits == 2 * 56  # the siblings still share the prompt's blocks
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.5, True])
+def test_prompt_logprobs_out_of_range(bad):
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=bad)
+
+
+def test_the_scored_choice_comes_first_and_tensor_parallel_engines_refuse(model):
+    path, _ = model
+    eng = LLMEngine.from_options(str(path), dtype="float32", block_size=8, num_kv_blocks=64,
+                                 enable_prefix_caching=False)
+    eng.add_request(PROMPTS[0], SamplingParams(n=3, max_tokens=2, ignore_eos=True, prompt_logprobs=0), "r")
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[0].index == 0 and outs[0].prompt_logprobs is not None  # before any sibling's output
+    eng.tp = object()  # as an engine with tensor-parallel ranks has
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs is not served with tensor parallelism"):
+        eng.check_request(PROMPTS[0], SamplingParams(prompt_logprobs=1))
