@@ -218,8 +218,8 @@ class Frontend:
             raise Overloaded(f"this ingress holds {len(self._inflight)} streams, its share of all the engines "
                              "can run or queue; retry later")
         prompt_len = len(req.prompt_token_ids)
-        choices = [TextAssembler(self.tokenizer, req.request_id, req.params, prompt_len, req.client_request_id, i)
-                   for i in range(req.params.n)]
+        choices = [TextAssembler(self.tokenizer, req.request_id, req.params, req.prompt_token_ids,
+                                 req.client_request_id, i) for i in range(req.params.n)]
         inflight = self._inflight[req.request_id] = _Inflight(self._engine.generate(req.engine_request()))
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
         retries = {"lost": 0, "crashed": 0, "overloaded": 0}

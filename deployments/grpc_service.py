@@ -31,7 +31,8 @@ from engine.validation import FieldError, field_errors
 
 SERVICE_NAME = "slotserve.v1.SlotServe"
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "seed", "skip_special_tokens", "n")
+                      "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "seed", "skip_special_tokens", "n",
+                      "prompt_logprobs")
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
            "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
            "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
@@ -172,10 +173,11 @@ def delta_to_proto(delta: TextDelta, audit: bool = False) -> pb.GenerateResponse
         out.usage.prompt_tokens = delta.usage.prompt_tokens
         out.usage.completion_tokens = delta.usage.completion_tokens
         out.usage.cached_prompt_tokens = delta.usage.cached_prompt_tokens
-    for lp in delta.logprobs or ():
-        entry = out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, token=lp.token)
-        for token_id, logprob, token in lp.top:
-            entry.top_logprobs.add(token_id=token_id, logprob=logprob, token=token)
+    for field, logprobs in ((out.logprobs, delta.logprobs), (out.prompt_logprobs, (delta.prompt_logprobs or ())[1:])):
+        for lp in logprobs or ():
+            entry = field.add(token_id=lp.token_id, logprob=lp.logprob, token=lp.token)
+            for token_id, logprob, token in lp.top:
+                entry.top_logprobs.add(token_id=token_id, logprob=logprob, token=token)
     if audit and delta.audit:
         out.audit.extend(pb.AuditEvent(**event) for event in delta.audit)
     return out

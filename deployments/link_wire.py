@@ -96,6 +96,7 @@ class StreamMessage(msgspec.Struct):
     audit: list[dict[str, Any]] | None = None
     index: int = 0
     choices_running: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class WireError(msgspec.Struct, array_like=True):
@@ -142,8 +143,9 @@ def as_item(output: Output) -> tuple:
     message = None
     if output.message is not None:
         message = msgspec.structs.asdict(output.message)
-        if message["audit"] is None:
-            del message["audit"]
+        for key in ("audit", "prompt_logprobs"):
+            if message[key] is None:
+                del message[key]
     return output.wire_id, message, None if output.error is None else rebuild_error(output.error)
 
 

@@ -167,8 +167,11 @@ class OpenAIRoutes:
             # Passed beside the input, not into it: a copy would validate the whole body again.
             prepared = await self.frontend.prepare(parsed.input, span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
+            echo = None
+            if parsed.echo:
+                echo = parsed.input.prompt or self.frontend.tokenizer.decode(list(prepared.prompt_token_ids))
             builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name,
-                                      parsed.tools, prepared.params.n)
+                                      parsed.tools, prepared.params.n, echo)
             headers = _id_headers(request, prepared)
             if parsed.stream:
                 return await self._stream(prepared, parsed, builder, span, audit, headers)

@@ -4,7 +4,7 @@ The request bodies are pydantic models: every error is a ``BadRequest`` naming t
 field as OpenAI's ``param`` (``messages.0.role``). vLLM's extra sampling fields (top_k,
 min_p, repetition_penalty, seed, ignore_eos, min_tokens, stop_token_ids, priority, ...)
 are accepted next to OpenAI's and checked by ``SamplingParams``; fields that would
-change the meaning of a request but are not served (echo, best_of, ...) are refused
+change the meaning of a request but are not served (best_of, suffix) are refused
 by name instead of being silently ignored.
 """
 
@@ -26,7 +26,6 @@ _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
                 "include_stop_str_in_output", "logit_bias", "structured_outputs", "n")
 REFUSED = {  # field: (the values served, why others are not)
-    "echo": ((None, False), "the prompt is not echoed back"),
     "best_of": ((None, 1), "one candidate per request"),
     "suffix": ((None, ""), "insertion (suffix) is not supported"),
 }
@@ -170,7 +169,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: Any = Field(description="a string or a list of token ids")
     logprobs: Any = None
-    echo: Any = None
+    echo: Bool | None = None
     best_of: Any = None
     suffix: Any = None
 
@@ -252,6 +251,8 @@ class ParsedBody:
     include_usage: bool
     tools: ToolUse = ToolUse()
     """How the reply is read for tool calls (``deployments.tools``; nothing read by default)."""
+    echo: bool = False
+    """Completions: the prompt comes back before each choice's text (and logprobs)."""
 
 
 def _validate(model: type[_Request], body: Any) -> _Request:
@@ -271,11 +272,13 @@ def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBod
     sampling = req.sampling()
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
+        if req.echo:  # the prompt's logprobs too, scored in its prefill
+            sampling["prompt_logprobs"] = req.logprobs
     text = req.prompt if isinstance(req.prompt, str) else None
     inp = GenerateInput(prompt=text, prompt_token_ids=None if text is not None else req.prompt, sampling=sampling,
                         model=req.model, request_id=request_id, priority=req.priority_or_default,
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return ParsedBody(inp, bool(req.stream), req.include_usage)
+    return ParsedBody(inp, bool(req.stream), req.include_usage, echo=bool(req.echo))
 
 
 def parse_chat_body(body: Any, request_id: str | None = None, tool_parser: str = "hermes") -> ParsedBody:

@@ -25,7 +25,8 @@ def completion_logprobs(logprobs: list[TokenLogprob] | None, text_offset: int = 
         offsets.append(pos)
         pos += len(lp.token)
     return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{tok: top_lp for _, top_lp, tok in lp.top} for lp in logprobs],
+            "top_logprobs": [None if lp.logprob is None else {tok: top_lp for _, top_lp, tok in lp.top}
+                             for lp in logprobs],
             "text_offset": offsets}
 
 
@@ -43,8 +44,10 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict | None:
 class ResponseBuilder:
     """Builds the JSON objects of one response (whole or streamed chunks), ``n`` choices of it."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, tools: ToolUse = ToolUse(), n: int = 1) -> None:
-        """``tools``: how the reply is read for tool calls (``deployments.tools``)."""
+    def __init__(self, chat: bool, request_id: str, model: str, tools: ToolUse = ToolUse(), n: int = 1,
+                 echo: str | None = None) -> None:
+        """``tools``: how the reply is read for tool calls (``deployments.tools``); ``echo``: the
+        prompt's text, to come back before each completion (with its logprobs, when they come)."""
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
@@ -53,6 +56,9 @@ class ResponseBuilder:
         self._text_offsets = [0] * n
         self._tool_use = tools
         self._tools = [ToolStream(tools.parser, tools.single) for _ in range(n)] if tools.parser else None
+        self._echo = echo
+        self._echoed: set[int] = set()
+        self._prompt_logprobs: tuple = ()
 
     def _envelope(self, obj: str, choices: list, usage: Usage | None, with_usage: bool) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -64,6 +70,7 @@ class ResponseBuilder:
         by_choice: dict[int, list[TextDelta]] = {i: [] for i in range(self.n)}
         for d in deltas:
             by_choice[d.index].append(d)
+            self._prompt_logprobs = d.prompt_logprobs or self._prompt_logprobs
         choices = [self._whole_choice(i, mine) for i, mine in by_choice.items()]
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, deltas[-1].usage, True)
 
@@ -72,6 +79,9 @@ class ResponseBuilder:
         last = deltas[-1]
         logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs or ()]
         if not self.chat:
+            if self._echo is not None:
+                text = self._echo + text
+                logprobs = None if logprobs is None else [*self._prompt_logprobs, *logprobs]
             return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs),
                     "finish_reason": last.finish_reason}
         use = self._tool_use
@@ -106,10 +116,15 @@ class ResponseBuilder:
                       "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": i, "text": delta.text,
-                      "logprobs": completion_logprobs(_list(delta.logprobs), self._text_offsets[i]),
+            text, logprobs = delta.text, _list(delta.logprobs)
+            self._prompt_logprobs = delta.prompt_logprobs or self._prompt_logprobs
+            if self._echo is not None and i not in self._echoed:  # the choice's first chunk
+                self._echoed.add(i)
+                text = self._echo + text
+                logprobs = None if logprobs is None else [*self._prompt_logprobs, *logprobs]
+            choice = {"index": i, "text": text, "logprobs": completion_logprobs(logprobs, self._text_offsets[i]),
                       "finish_reason": delta.finish_reason}
-            self._text_offsets[i] += len(delta.text)
+            self._text_offsets[i] += len(text)
             obj = "text_completion"
         # with include_usage, every chunk carries "usage": null and a last chunk carries the totals
         return self._envelope(obj, [choice], None, include_usage)

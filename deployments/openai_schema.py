@@ -50,8 +50,9 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    """None for an echoed prompt's first token, which nothing predicts."""
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -226,6 +227,8 @@ def _own_fields(chat: bool, models: tuple[str, ...]) -> dict[str, dict]:
                                        "minItems": 1, "maxItems": 1}],
                             "description": "a string or a list of token ids (a batch of one is unwrapped)"}
         fields["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS})
+        fields["echo"] = _nullable({"type": "boolean", "description": "the prompt comes back before each "
+                                    "completion (with logprobs: the prompt's too, computed in its prefill)"})
     return fields
 
 

@@ -66,6 +66,8 @@ def stream_message(out: StreamOutput) -> dict:
                "index": out.index, "choices_running": out.choices_running}
     if out.finished and out.timing is not None:
         message["audit"] = audit_records(out.timing)
+    if out.prompt_logprobs is not None:
+        message["prompt_logprobs"] = out.prompt_logprobs
     return message
 
 

@@ -113,6 +113,8 @@ class PreparedRequest:
         ``resume_choices``: with ``n`` > 1, the choices still to run, each with the tokens it has.
         """
         engine_params = dataclasses.replace(self.params, stop=(), include_stop_str_in_output=False)
+        if resume_token_ids or any((resume_choices or {}).values()):  # the client has the prompt's logprobs
+            engine_params = dataclasses.replace(engine_params, prompt_logprobs=None)
         request = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
                    "params": engine_params, "priority": self.priority, "trace_context": self.trace_context,
                    "operation": self.operation}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 from engine.sampling import SamplingParams
 from engine.detokenizer import TextStream
@@ -18,7 +19,8 @@ from engine.detokenizer import TextStream
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None
+    """None only for a prompt's first token, which nothing predicts."""
     token: str
     top: tuple[tuple[int, float, str], ...] = ()
     """Alternatives as (token_id, logprob, text), most likely first (the sampled token included)."""
@@ -56,12 +58,15 @@ class TextDelta:
     """Which of the request's ``n`` choices it belongs to."""
     ends_request: bool = False
     """The request's last delta: every choice has finished (``finish_reason`` is that of this one)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """On choice 0's first delta, with ``prompt_logprobs``: one per prompt token (before any other
+    choice's delta: the engine starts the siblings after it)."""
 
 
 class TextAssembler:
     """Turns one choice's engine messages into text deltas."""
 
-    def __init__(self, tokenizer, request_id: str, params: SamplingParams, num_prompt_tokens: int,
+    def __init__(self, tokenizer, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int],
                  client_request_id: str | None = None, index: int = 0) -> None:
         self._tokenizer = tokenizer
         self._request_id = request_id
@@ -71,8 +76,10 @@ class TextAssembler:
         """Every output token passed on so far: where a resumed request picks up."""
         self._want_logprobs = params.logprobs is not None
         self._num_top = params.logprobs or 0
+        self._num_prompt_top = params.prompt_logprobs or 0
         self._text = TextStream.for_params(tokenizer, params)
-        self._num_prompt_tokens = num_prompt_tokens
+        self._prompt_token_ids = prompt_token_ids
+        self._num_prompt_tokens = len(prompt_token_ids)
         self._num_output_tokens = 0
         self._num_cached_tokens = 0
         self.finished = False
@@ -96,8 +103,10 @@ class TextAssembler:
         if finish:
             self.finished = True
             audit = tuple(message.get("audit") or ())
+        scored = message.get("prompt_logprobs")
+        prompt = None if scored is None else self._prompt_logprobs(scored)
         return TextDelta(self._request_id, text, tuple(ids), logprobs, finish, None, self._client_request_id, audit,
-                         self.index)
+                         self.index, prompt_logprobs=prompt)
 
     def abort(self) -> TextDelta:
         """The last delta of a choice that ended without the engine saying so."""
@@ -113,8 +122,14 @@ class TextAssembler:
     def num_cached_tokens(self) -> int:
         return self._num_cached_tokens
 
-    def _logprob(self, token_id: int, alternatives: dict) -> TokenLogprob:
-        ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:self._num_top]
+    def _prompt_logprobs(self, scored: list) -> tuple[TokenLogprob, ...]:
+        ids = self._prompt_token_ids
+        first = TokenLogprob(int(ids[0]), None, self._tokenizer.decode([int(ids[0])]))
+        return (first, *(self._logprob(t, lp, self._num_prompt_top) for t, lp in zip(ids[1:], scored[1:])))
+
+    def _logprob(self, token_id: int, alternatives: dict, num_top: int | None = None) -> TokenLogprob:
+        num_top = self._num_top if num_top is None else num_top
+        ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:num_top]
         top = tuple((int(t), float(lp), self._tokenizer.decode([int(t)])) for t, lp in ranked)
         own = alternatives.get(token_id, float("nan"))
         return TokenLogprob(int(token_id), float(own), self._tokenizer.decode([int(token_id)]), top)

@@ -230,7 +230,7 @@ KINDS = [
     K("logit-bias-not-a-number", None, c(logit_bias={"1": "high"}), param="logit_bias.1"),
     K("logit-bias-infinite", g(logit_bias={1: "-Infinity"}), c(logit_bias={"1": float("-inf")}), param="logit_bias.1"),
     K("logit-bias-list", None, c(logit_bias=[1, 5]), param="logit_bias"),
-    K("echo", None, c(echo=True), param="echo"),
+    K("echo-not-a-boolean", None, c(echo="yes"), param="echo"),
     K("suffix", None, c(suffix="x"), param="suffix"),
     K("tool-name-not-a-string", None, ch(tools=[{"type": "function", "function": {"name": 5}}]),
       param="tools.0.function.name"),

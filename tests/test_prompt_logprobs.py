@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -107,3 +108,66 @@ def test_the_scored_choice_comes_first_and_tensor_parallel_engines_refuse(model)
     eng.tp = object()  # as an engine with tensor-parallel ranks has
     with pytest.raises(InvalidRequestError, match="prompt_logprobs is not served with tensor parallelism"):
         eng.check_request(PROMPTS[0], SamplingParams(prompt_logprobs=1))
+
+
+# -- served: echo over the openai SDK, prompt_logprobs over gRPC (one real engine, tests.real_serving) ---------
+
+def _hf_tiny(model_dir, prompt_ids: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        raw = torch.log_softmax(hf(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    return [raw[q, prompt_ids[q + 1]].item() for q in range(len(prompt_ids) - 1)]
+
+
+def test_echo_with_logprobs_over_the_openai_sdk_and_prompt_logprobs_over_grpc(tiny_model_dir, tokenizer):
+    import httpx2
+    import openai
+
+    from deployments.openai_api import build_openai_app
+    from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+    from tests.real_serving import GrpcContext, GrpcService, real_frontend
+
+    prompt = "the quick brown fox jumps over the lazy dog"
+
+    async def main():
+        async with real_frontend(tiny_model_dir, tokenizer, num_kv_blocks=32, max_model_len=256) as (frontend, _):
+            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=build_openai_app(frontend)))
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http)
+            args = dict(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+            whole = await client.completions.create(logprobs=2, **args)
+            streamed = [c async for c in await client.completions.create(logprobs=2, stream=True, **args)]
+            plain = await client.completions.create(**args)
+            await http.aclose()
+            request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingOptions(max_tokens=2, prompt_logprobs=1))
+            grpc_out = [m async for m in GrpcService(frontend).Generate(request.SerializeToString(), GrpcContext())]
+            return whole, streamed, plain, grpc_out
+
+    whole, streamed, plain, grpc_out = asyncio.run(asyncio.wait_for(main(), 60))
+    ids = tokenizer.encode(prompt)
+    want = _hf_tiny(tiny_model_dir, ids)
+    (choice,) = whole.choices
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and plain.choices[0].text == choice.text
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(math.isclose(g, w, abs_tol=1e-4) for g, w in zip(lp.token_logprobs[1:len(ids)], want))
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert [t for c in streamed for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    first = grpc_out[0].prompt_logprobs
+    assert [e.token_id for e in first] == ids[1:]
+    assert all(math.isclose(e.logprob, w, abs_tol=1e-4) for e, w in zip(first, want))
+    assert all(not m.prompt_logprobs for m in grpc_out[1:])
+
+
+def test_a_resumed_request_does_not_score_its_prompt_again():
+    from deployments.requests import PreparedRequest
+
+    req = PreparedRequest("r", (1, 2, 3), SamplingParams(prompt_logprobs=2, n=2))
+    assert req.engine_request()["params"].prompt_logprobs == 2
+    assert req.engine_request(resume_choices={0: [], 1: []})["params"].prompt_logprobs == 2  # none came yet
+    assert req.engine_request(resume_choices={1: [4]})["params"].prompt_logprobs is None
+    single = PreparedRequest("s", (1, 2, 3), SamplingParams(prompt_logprobs=2))
+    assert single.engine_request(resume_token_ids=[4, 5])["params"].prompt_logprobs is None

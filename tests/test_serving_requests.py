@@ -138,7 +138,7 @@ def test_completion_body():
     ({"model": "m"}, "prompt is required"),
     ({"model": "m", "prompt": ["a", "b"]}, "one prompt per request"),
     ({"model": "m", "prompt": "x", "best_of": 2}, "^best_of is not supported"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
     ({"model": "m", "prompt": "x", "frobnicate": 1}, "unknown field"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),

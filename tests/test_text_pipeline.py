@@ -17,7 +17,7 @@ def llm(tiny_model_dir):
 
 def _served(tokenizer, params, token_ids, per_message):
     """TextAssembler over the same tokens, ``per_message`` ids per engine message."""
-    asm = TextAssembler(tokenizer, "r", params, num_prompt_tokens=3)
+    asm = TextAssembler(tokenizer, "r", params, prompt_token_ids=[5, 6, 7])
     text, ids, finish = "", [], None
     for i in range(0, len(token_ids), per_message):
         last = i + per_message >= len(token_ids)
