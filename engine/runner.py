@@ -188,8 +188,10 @@ class ModelRunner:
         if self.send_step is not None:
             self.send_step(chunks)
         tb = time.perf_counter()
-        scored = [(c.request, c.prompt_logprob_positions) for c in order_chunks(chunks)[0]
-                  if c.request.needs_prompt_logprobs and c.prompt_logprob_positions]
+        scored = []  # (request, positions) in build_step_inputs' order: their rows follow the sampling rows
+        if any(c.request.needs_prompt_logprobs for c in chunks):
+            scored = [(c.request, c.prompt_logprob_positions) for c in order_chunks(chunks)[0]
+                      if c.prompt_logprob_positions]
         key = self.graphs.key_for(chunks) if self.graphs is not None and not scored else None
         if key is None:
             sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks)

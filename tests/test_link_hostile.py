@@ -146,6 +146,22 @@ def test_a_submit_arrives_as_the_request_the_ingress_sent():
     assert got == sent  # the router's note included, under the key the replica's tracing reads
 
 
+def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
+    from deployments.link_wire import IngressFrame, Output, as_item, outputs
+    from deployments.replica import stream_message
+    from engine.outputs import RequestTiming, StreamOutput
+
+    sent = {**_request(4), "ingress_id": "i", "resume_choices": {1: [5, 6], 2: []}}
+    got = msgspec.msgpack.decode(frame(Submit(sent))[4:], type=IngressFrame).request.as_dict()
+    assert got["resume_choices"] == {1: [5, 6], 2: []}
+    out = StreamOutput("r", [9], finished=True, finish_reason="stop", new_logprobs=[{9: -0.5, 3: -1.0}],
+                       num_prompt_tokens=3, num_output_tokens=1, timing=RequestTiming(arrival_time=0.0), index=2,
+                       choices_running=1, prompt_logprobs=[None, {4: -2.0}, {5: -0.25, 1: -3.0}])
+    message = stream_message(out)
+    [item] = [as_item(o) for o in msgspec.msgpack.decode(outputs([("w", message, None)])[4:], type=list[Output])]
+    assert item == ("w", message, None)
+
+
 def test_the_link_reads_typed_frames_only():
     """A batch of outputs is MessagePack any reader can decode, and no module of the serving layer
     imports a deserializer that can run code."""
