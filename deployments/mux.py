@@ -195,7 +195,7 @@ class _MuxStream:
         self._done = False
         self.abort_wanted = False
         self._pending_error: BaseException | None = None
-        self._held: tuple | None = None
+        self._held: list[dict] = []  # caught up with, handed out one per call
 
     def __aiter__(self) -> "_MuxStream":
         return self
@@ -206,28 +206,34 @@ class _MuxStream:
         if not self._started:
             self._started = True
             self._client._start(self)
-        if self._pending_error is not None:
+        if self._held:
+            message, error = self._held.pop(0), None
+        elif self._pending_error is not None:
             message, error = None, self._pending_error
-        elif self._held is not None:
-            (message, error), self._held = self._held, None
         else:
             message, error = await self.queue.get()
-        while error is None and message.get("finish_reason") is None and not self.queue.empty():
-            # Behind: hand over everything that came, as one message (one hop less per step missed).
-            later, later_error = self.queue.get_nowait()
-            if later_error is not None:  # raised on the next call, after these tokens
-                self._pending_error = later_error
-                break
-            if later.get("index", 0) != message.get("index", 0):  # another choice's: next time
-                self._held = later, None
-                break
-            message = merge_messages(message, later)
+            if error is None and not self.queue.empty():
+                message = self._catch_up(message)
         if error is not None or ends_request(message):
             self._done = True
             self._client._forget(self)
         if error is not None:
             raise error
         return message
+
+    def _catch_up(self, message: dict) -> dict:
+        """Behind: everything queued as one message per choice (one hop less per step missed), the
+        one that ends the request last; an error that came is raised after them."""
+        by_choice = {message.get("index", 0): message}
+        while not self.queue.empty():
+            later, error = self.queue.get_nowait()
+            if error is not None:
+                self._pending_error = error
+                break
+            i = later.get("index", 0)
+            by_choice[i] = merge_messages(by_choice[i], later) if i in by_choice else later
+        first, *self._held = sorted(by_choice.values(), key=ends_request)
+        return first
 
     def abort(self, index: int | None = None) -> None:
         if index is not None:  # one choice: it ended at the ingress, so its replica is known

@@ -124,7 +124,8 @@ class ResponseBuilder:
                 logprobs = None if logprobs is None else [*self._prompt_logprobs, *logprobs]
             choice = {"index": i, "text": text, "logprobs": completion_logprobs(logprobs, self._text_offsets[i]),
                       "finish_reason": delta.finish_reason}
-            self._text_offsets[i] += len(text)
+            # Offsets count the tokens' own texts, as a whole response's do (an echoed BOS has one).
+            self._text_offsets[i] += len(text) if logprobs is None else sum(len(lp.token) for lp in logprobs)
             obj = "text_completion"
         # with include_usage, every chunk carries "usage": null and a last chunk carries the totals
         return self._envelope(obj, [choice], None, include_usage)

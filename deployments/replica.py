@@ -22,6 +22,7 @@ in-process with a fake engine (tests/fake_engine.py). What Serve calls on it:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import itertools
 import logging
@@ -140,14 +141,17 @@ class EngineReplica:
         request_metrics = self._metrics.request()
         finished = False
         last: StreamOutput | None = None
+        lead_timing = None  # choice 0's: the request's latencies (with n > 1 its siblings start later)
         try:
             async for out in stream:
                 last = out
-                request_metrics.on_message(out)
+                if out.index == 0:  # one choice's cadence: interleaved siblings are no inter-token gap
+                    request_metrics.on_message(out)
+                    lead_timing = out.timing
                 finished = out.request_finished
                 if finished:  # done here, even if the consumer never asks for more
                     self._active.discard(rid)
-                    request_metrics.on_end(out)
+                    request_metrics.on_end(dataclasses.replace(out, timing=lead_timing or out.timing))
                     self._trace(request, out, received_ns)
                 yield stream_message(out)
                 if finished:
@@ -212,10 +216,7 @@ class EngineReplica:
             return True
         if request_id not in self._active:
             return False
-        if index is None:
-            self._engine.abort(request_id)
-        else:
-            self._engine.abort(request_id, index)
+        self._engine.abort(request_id, index)
         return True
 
     def model_info(self) -> dict:

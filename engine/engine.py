@@ -85,6 +85,7 @@ class LLMEngine:
         self.grammars = GrammarBook(self.model_path, self.arch.vocab_size, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}
         """Each request's unfinished choices (one unless ``n`` > 1), by request id."""
+        self._num_held = 0  # siblings waiting for their lead's prefill (engine.request.Request.held)
         self._seq = itertools.count()
         self._rng = random.Random(config.model.seed)
         self._pending: list[StreamOutput] = []
@@ -134,9 +135,6 @@ class LLMEngine:
         self._check_ids("prompt_token_ids", prompt)
         if params.logit_bias:
             self._check_ids("logit_bias keys", list(params.logit_bias))
-        if params.prompt_logprobs is not None and self.tp is not None:
-            # The other ranks' LM heads would have to score the same extra rows (engine.tp).
-            raise InvalidRequestError("prompt_logprobs is not served with tensor parallelism")
         if len(prompt) >= self.max_total_tokens:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens; at most {self.max_total_tokens - 1} fit "
@@ -160,11 +158,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} chars")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        # The bound is on requests that must wait for a slot: with max_waiting 0 (no queue) a
+        # The bound is on sequences that must wait for a slot: with max_waiting 0 (no queue) a
         # request that a free slot takes at the next step is still admitted.
         free_slots = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
-        if self.scheduler.num_waiting - free_slots >= self.config.scheduler.max_waiting:
-            waiting = max(0, self.scheduler.num_waiting - free_slots)
+        queued = self.scheduler.num_waiting + self._num_held + len(plan) - 1
+        if queued - free_slots >= self.config.scheduler.max_waiting:
+            waiting = max(0, self.scheduler.num_waiting + self._num_held - free_slots)
             raise EngineOverloadedError(
                 f"engine queue is full ({waiting} waiting, max_waiting "
                 f"{self.config.scheduler.max_waiting}); retry later or on another replica")
@@ -186,6 +185,7 @@ class LLMEngine:
         if (self.block_manager.enable_prefix_caching and len(prompt) > self.block_manager.block_size
                 or lead.prompt_logprobs is not None):
             lead.held = rest
+            self._num_held += len(rest)
             rest = []
         for req in (lead, *rest):
             self.scheduler.add(req)
@@ -245,7 +245,12 @@ class LLMEngine:
             if index is not None:  # its siblings were waiting for its prompt: they compute it themselves
                 for sibling in req.held:
                     self.scheduler.add(sibling)
+            self._num_held -= len(req.held)
             req.held = []
+            for lead in choices:  # a held choice is never queued
+                if req in lead.held:
+                    lead.held.remove(req)
+                    self._num_held -= 1
             self.scheduler.abort(req)
             req.timing.finished_time = now
             req.record(now, "finished", req.finish_reason, req.num_output_tokens)
@@ -299,6 +304,7 @@ class LLMEngine:
         if req.held:  # its prompt blocks are in the prefix cache now: the siblings start from them
             for sibling in req.held:
                 self.scheduler.add(sibling)
+            self._num_held -= len(req.held)
             req.held = []
         n_out = req.num_output_tokens
         p = req.params
@@ -359,7 +365,7 @@ class LLMEngine:
         running = self.scheduler.running
         s.running = len(running)
         s.kv_tokens = sum(r.num_computed_tokens for r in running)
-        s.waiting = self.scheduler.num_waiting
+        s.waiting = self.scheduler.num_waiting + self._num_held
         s.kv_blocks_used = self.block_manager.num_used
         s.prefix_cache_queries = self.block_manager.prefix_queries
         s.prefix_cache_hits = self.block_manager.prefix_hits

@@ -10,6 +10,7 @@ memory budget (engine.memory).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -29,8 +30,8 @@ from engine.model import ModelArch, load_model
 from engine.model.compiled import CompiledDecoder
 from engine.model.layers import cpu_prepack_supported
 from engine.parallel import ParallelGroup
-from engine.sampler import Sampler, SamplingBatch, prompt_logprobs
-from engine.scheduler import ScheduledChunk
+from engine.sampler import PROMPT_ROWS_AT_ONCE, Sampler, SamplingBatch, prompt_logprobs
+from engine.scheduler import MAX_SCORED_TOKENS, ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +163,19 @@ class ModelRunner:
                                      self.block_size)
         caches = [self.backend.allocate_cache(used, self.dtype, self.device) for _ in range(self.num_layers)]
         sampling = worst_case_sampling(len(chunks), self.device)
+        left = MAX_SCORED_TOKENS  # and it scores as many prompt tokens as a step may: a logits row each
+        for i, c in enumerate(chunks):
+            take = max(0, min(left, c.num_tokens - 1))
+            chunks[i] = dataclasses.replace(c, prompt_logprob_positions=range(take))
+            left -= take
 
         def step():
             _, input_ids, positions, meta, logits_idx = build_step_inputs(chunks, self.block_size, self.device)
             self.backend.plan(meta)
             logits = self.model(input_ids, positions, caches, meta, logits_idx)
             if logits is not None:  # rank 0 samples; other tensor-parallel ranks get None
-                self.sampler(logits, sampling)
+                self.sampler(logits[:len(chunks)], sampling)
+                torch.log_softmax(logits[len(chunks):len(chunks) + PROMPT_ROWS_AT_ONCE].float(), dim=-1)
 
         try:
             return measure_peak(step, self.device)

@@ -24,6 +24,7 @@ def _i64(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
+PROMPT_ROWS_AT_ONCE = 128
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy: dividing by them overflows float32 logits (as in vLLM)."""
 
@@ -229,19 +230,22 @@ def suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch
 def prompt_logprobs(logits: torch.Tensor, scored: list[tuple[Request, range]]) -> list[tuple[Request, list[dict]]]:
     """Per (request, positions): the logprob of the prompt token after each position and the
     request's ``prompt_logprobs`` alternatives, from those positions' logits rows (in order)."""
-    raw = torch.log_softmax(logits.float(), dim=-1)
-    nexts = torch.tensor([r.token_ids[q + 1] for r, positions in scored for q in positions], device=raw.device)
-    chosen = raw.gather(1, nexts.unsqueeze(1)).squeeze(1).tolist()
+    nexts = torch.tensor([r.token_ids[q + 1] for r, positions in scored for q in positions], device=logits.device)
     k = max(r.params.prompt_logprobs for r, _ in scored)
-    top_vals, top_ids = raw.topk(k, dim=-1) if k > 0 else (None, None)
-    tv, ti = (top_vals.tolist(), top_ids.tolist()) if k > 0 else (None, None)
+    chosen, tv, ti = [], [], []
+    for i in range(0, logits.shape[0], PROMPT_ROWS_AT_ONCE):  # a vocabulary-wide float32 copy per slice only
+        raw = torch.log_softmax(logits[i:i + PROMPT_ROWS_AT_ONCE].float(), dim=-1)
+        chosen += raw.gather(1, nexts[i:i + PROMPT_ROWS_AT_ONCE].unsqueeze(1)).squeeze(1).tolist()
+        if k > 0:
+            top_vals, top_ids = raw.topk(k, dim=-1)
+            tv, ti = tv + top_vals.tolist(), ti + top_ids.tolist()
     out, row = [], 0
     for req, positions in scored:
         n = req.params.prompt_logprobs
         entries = []
         for q in positions:
             entry = {req.token_ids[q + 1]: chosen[row]}
-            if n and ti is not None:
+            if n:
                 for tid, val in zip(ti[row][:n], tv[row][:n]):
                     entry.setdefault(tid, val)
             entries.append(entry)

@@ -21,6 +21,10 @@ from engine.kv.hashing import ROOT_HASH
 from engine.outputs import FINISH_ABORT, PREEMPT_KV_FULL
 from engine.request import Request, RequestStatus
 
+MAX_SCORED_TOKENS = 512
+"""Prompt tokens of requests that want prompt logprobs, per step (with chunked prefill): each is a
+row of logits over the vocabulary, which the memory budget plans for (engine.runner)."""
+
 
 @dataclass(slots=True)
 class ScheduledChunk:
@@ -124,6 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(time=time.monotonic())
         budget = self.token_budget
+        self._scored_left = MAX_SCORED_TOKENS
         scheduled: dict[int, ScheduledChunk] = {}
         # Decodes before the rest of chunked prefills (a recomputed request keeps its old
         # seq_no and would otherwise take the whole budget ahead of decoding requests).
@@ -133,7 +138,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._cap_scored(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if n <= 0:
                 continue
             if not self._reserve(req, n, scheduled, out):
@@ -149,6 +154,15 @@ class Scheduler:
         out.chunks = sorted(scheduled.values(), key=lambda c: c.num_tokens > 1)
         out.num_batched_tokens = self.token_budget - budget
         return out
+
+    def _cap_scored(self, req: Request, n: int) -> int:
+        """``n`` tokens of ``req`` this step, fewer when they are prompt tokens to score past the
+        step's ``MAX_SCORED_TOKENS`` (a whole prompt, without chunked prefill)."""
+        if not req.needs_prompt_logprobs or not self.config.enable_chunked_prefill:
+            return n
+        n = min(n, self._scored_left)
+        self._scored_left -= n
+        return n
 
     def _reserve(self, req: Request, n: int, scheduled: dict[int, ScheduledChunk],
                  out: SchedulerOutput) -> bool:
@@ -208,6 +222,9 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
+            n = self._cap_scored(req, n)
+            if n <= 0:
+                break
             need = self.blocks.blocks_needed(num_cached + n) - len(cached)
             if not self.blocks.can_allocate(need, reusing=cached):
                 break  # head-of-line: keep FCFS order within a priority

@@ -20,8 +20,10 @@ from tests.test_link import LONG, _linked, _replicas, _request, _shutdown, _toke
 
 
 def _message(token_ids: list[int], finish_reason: str | None = None) -> dict:
+    """As ``replica.stream_message`` writes one (of a request with one choice)."""
     return {"token_ids": token_ids, "finish_reason": finish_reason, "logprobs": None, "num_prompt_tokens": 3,
-            "num_output_tokens": len(token_ids), "num_cached_tokens": 0}
+            "num_output_tokens": len(token_ids), "num_cached_tokens": 0, "index": 0,
+            "choices_running": 0 if finish_reason else 1}
 
 
 async def _raw_ingress(rep, token: str, ingress_id: str = "raw"):

@@ -259,3 +259,16 @@ def test_a_choice_ended_by_a_stop_string_stops_in_the_engine(tiny_model_dir, tok
     assert stopped[0] == (free[0][0][:free[0][0].index(stop)], ["stop"])
     assert stopped[1] == (free[1][0], ["length"])
     assert generated < 60  # 40 for choice 1, a few for choice 0 (80 if it ran to its budget)
+
+
+def test_aborting_a_held_choice_never_runs_it_and_held_choices_count_as_waiting(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+    eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=3), request_id="r")
+    assert eng.stats().waiting == 3  # the lead queued, its two siblings held for its prefill
+    assert eng.abort("r", index=2)
+    assert eng.stats().waiting == 2
+    outs = _run(eng)
+    assert [o.finish_reason for o in outs if o.index == 2] == ["abort"]
+    assert {o.index for o in outs if o.finish_reason == "length"} == {0, 1}
+    s = eng.stats()
+    assert (s.num_finished, s.kv_blocks_used, s.waiting) == (1, 0, 0)

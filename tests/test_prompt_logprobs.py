@@ -96,7 +96,7 @@ def test_prompt_logprobs_out_of_range(bad):
         SamplingParams(prompt_logprobs=bad)
 
 
-def test_the_scored_choice_comes_first_and_tensor_parallel_engines_refuse(model):
+def test_the_scored_choice_comes_first(model):
     path, _ = model
     eng = LLMEngine.from_options(str(path), dtype="float32", block_size=8, num_kv_blocks=64,
                                  enable_prefix_caching=False)
@@ -105,9 +105,6 @@ def test_the_scored_choice_comes_first_and_tensor_parallel_engines_refuse(model)
     while eng.has_unfinished():
         outs += eng.step()
     assert outs[0].index == 0 and outs[0].prompt_logprobs is not None  # before any sibling's output
-    eng.tp = object()  # as an engine with tensor-parallel ranks has
-    with pytest.raises(InvalidRequestError, match="prompt_logprobs is not served with tensor parallelism"):
-        eng.check_request(PROMPTS[0], SamplingParams(prompt_logprobs=1))
 
 
 # -- served: echo over the openai SDK, prompt_logprobs over gRPC (one real engine, tests.real_serving) ---------
@@ -156,6 +153,7 @@ def test_echo_with_logprobs_over_the_openai_sdk_and_prompt_logprobs_over_grpc(ti
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert "".join(c.choices[0].text for c in streamed) == choice.text
     assert [t for c in streamed for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == lp.text_offset
     first = grpc_out[0].prompt_logprobs
     assert [e.token_id for e in first] == ids[1:]
     assert all(math.isclose(e.logprob, w, abs_tol=1e-4) for e, w in zip(first, want))
@@ -171,3 +169,23 @@ def test_a_resumed_request_does_not_score_its_prompt_again():
     assert req.engine_request(resume_choices={1: [4]})["params"].prompt_logprobs is None
     single = PreparedRequest("s", (1, 2, 3), SamplingParams(prompt_logprobs=2))
     assert single.engine_request(resume_token_ids=[4, 5])["params"].prompt_logprobs is None
+
+
+def test_a_step_scores_at_most_max_scored_tokens_and_the_gpu_profile_counts_them(model, monkeypatch):
+    import engine.runner as runner_module
+    from engine.scheduler import MAX_SCORED_TOKENS
+
+    path, hf = model
+    eng = LLMEngine.from_options(str(path), dtype="float32", block_size=8, num_kv_blocks=256, max_model_len=1024,
+                                 max_num_batched_tokens=2048)
+    long = [3 + (i * 7) % 400 for i in range(MAX_SCORED_TOKENS + 100)]
+    eng.add_request(long, SamplingParams(max_tokens=1, prompt_logprobs=0), request_id="scored")
+    eng.add_request(long[::-1], SamplingParams(max_tokens=1), request_id="plain")
+    sched = eng.scheduler.schedule()
+    assert {c.request.request_id: c.num_tokens for c in sched.chunks} == {"scored": MAX_SCORED_TOKENS,
+                                                                          "plain": len(long)}
+    eng.scheduler.after_step(sched)  # (the step itself is not run here)
+    # The GPU memory profile runs the worst step with MAX_SCORED_TOKENS logits rows more: here on CPU.
+    seen = []
+    monkeypatch.setattr(runner_module, "measure_peak", lambda step, device: seen.append(step()) or 0)
+    assert eng.runner._profile_largest_step() == 0 and seen == [None]

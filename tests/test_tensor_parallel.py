@@ -9,6 +9,7 @@ rank makes the engine report dead within a bounded time; shutdown leaves no work
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -62,14 +63,21 @@ MODELS = {  # name: (architecture, factory keywords)
 def test_tp2_equals_tp1_under_preemption_and_leaves_no_workers(tmp_path, name):
     arch, kw = MODELS[name]
     path = str(make_model_dir(tmp_path / name, arch, seed=2, with_tokenizer=False, **kw))
+    # Two of the prompts are scored too: every rank's LM head computes the extra rows.
+    params = [dataclasses.replace(GREEDY, prompt_logprobs=2) if i in (1, 3) else GREEDY for i in range(len(PROMPTS))]
     reference = LLM(path, **SMALL_POOL)
-    want = _tokens(reference.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    ref_outs = reference.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     full_bytes = reference.engine.runner.param_bytes
     llm = LLM(path, tensor_parallel_size=2, **SMALL_POOL)
     pids = llm.engine.tp.launcher.pids
     try:
-        got = _tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
-        assert got == want
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert _tokens(outs) == _tokens(ref_outs)
+        for i in (1, 3):
+            got, want = outs[i].prompt_logprobs, ref_outs[i].prompt_logprobs
+            assert len(got) == len(PROMPTS[i]) and got[0] is None
+            for q, (g, w) in enumerate(zip(got[1:], want[1:]), start=1):
+                assert PROMPTS[i][q] in g and all(abs(g[t] - v) < 1e-4 for t, v in w.items() if t in g)
         assert llm.engine.stats().num_preemptions > 0
         # Sharded loading: each rank holds about half the parameters (norms are replicated).
         assert all(0.45 * full_bytes < b < 0.6 * full_bytes for b in llm.engine.tp.rank_param_bytes), \
@@ -198,7 +206,7 @@ def test_rank_killed_mid_stream_fails_the_stream_and_health(tmp_path):
 def test_step_message_sends_block_tables_as_deltas():
     from engine.request import Request
     from engine.scheduler import ScheduledChunk
-    from engine.tp.messages import FIELDS, StepDecoder, StepEncoder
+    from engine.tp.messages import FIELDS, StepDecoder, StepEncoder  # kept, new at 4-5; scored positions at 6-7
 
     def request(seq_no, tokens, blocks):
         req = Request(str(seq_no), tokens, GREEDY, 0, seq_no, 1000, 0, frozenset())
@@ -212,7 +220,8 @@ def test_step_message_sends_block_tables_as_deltas():
         msg = enc.encode(chunks)
         got = dec.decode(msg)
         for c, r in zip(chunks, got):
-            assert (r.start, r.num_tokens, r.samples, r.token_ids) == (c.start, c.num_tokens, c.samples, c.token_ids)
+            assert (r.start, r.num_tokens, r.samples, r.token_ids, r.prompt_logprob_positions) == (
+                c.start, c.num_tokens, c.samples, c.token_ids, c.prompt_logprob_positions)
             assert r.block_ids == c.block_ids[:-(-(c.start + c.num_tokens) // 4)]
         return msg
 
@@ -220,13 +229,17 @@ def test_step_message_sends_block_tables_as_deltas():
     a.token_ids.append(11)
     a.block_ids.append(4)  # grows in place: only what is new travels
     msg = roundtrip([ScheduledChunk(a, 10, 1)])
-    assert msg[1 + 4:1 + FIELDS] == [3, 0]  # kept 3 blocks, 0 new (the 11th token is in block 3)
+    assert msg[1 + 4:1 + 6] == [3, 0]  # kept 3 blocks, 0 new (the 11th token is in block 3)
     a.block_ids = [8, 6]   # preempted and readmitted: a new table, sent whole
     msg = roundtrip([ScheduledChunk(a, 0, 8)])
-    assert msg[1 + 4:1 + FIELDS] == [0, 2]
+    assert msg[1 + 4:1 + 6] == [0, 2]
     b.token_ids.append(3)
     msg = roundtrip([ScheduledChunk(b, 2, 1)])  # b skipped a step: forgotten, resent whole
-    assert msg[1 + 4:1 + FIELDS] == [0, 1]
+    assert msg[1 + 4:1 + 6] == [0, 1]
+    scored = request(2, list(range(30)), [1, 2, 11, 12, 13, 14, 15, 16])
+    scored.prompt_logprobs = [None] * 5  # 4 prompt tokens scored already
+    msg = roundtrip([ScheduledChunk(scored, 0, 16)])  # recomputed from 0: scores positions 4..15
+    assert msg[1 + 6:1 + FIELDS] == [4, 16]
 
 
 def test_hung_rank_trips_the_collective_timeout(tmp_path):
