@@ -205,12 +205,10 @@ class LLMEngine:
             raise InvalidRequestError("give resume_token_ids or resume_choices, not both")
         if not isinstance(resume_choices, Mapping) or not resume_choices:
             raise InvalidRequestError("resume_choices must map choice indices to output token ids")
-        plan = {}
-        for i in sorted(resume_choices):
+        for i in resume_choices:  # checked before sorting: keys of mixed types do not sort
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < params.n:
                 raise InvalidRequestError(f"resume_choices keys must be choice indices in [0, {params.n}), got {i!r}")
-            plan[i] = self._check_resume(prompt, params, resume_choices[i])
-        return plan
+        return {i: self._check_resume(prompt, params, resume_choices[i]) for i in sorted(resume_choices)}
 
     def _check_ids(self, name: str, ids: list) -> None:
         vocab = self.vocab_size

@@ -126,7 +126,8 @@ def test_resume_choices(tiny_model_dir):
     assert got == {1: full[1][4:], 2: full[2][7:]}  # choice 0 had finished: not run again
 
     for bad, match in [({3: []}, "resume_choices keys"), ({}, "resume_choices must map"),
-                       ({0: list(range(10))}, "max_tokens"), ({"0": []}, "resume_choices keys")]:
+                       ({0: list(range(10))}, "max_tokens"), ({"0": []}, "resume_choices keys"),
+                       ({1: [], "0": []}, "resume_choices keys")]:
         with pytest.raises(InvalidRequestError, match=match):
             again.add_request(PROMPT, params, resume_choices=bad)
     with pytest.raises(InvalidRequestError, match="resume_choices for n > 1"):
