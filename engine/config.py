@@ -97,12 +97,40 @@ class ParallelConfig:
     """Longest wait of a collective between ranks: a hung rank fails the engine after this."""
 
 
+ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+"""What an adapter may be called: it travels as an OpenAI ``model`` and in metric labels."""
+
+
+@validated()
+class LoRAConfig:
+    adapters: dict[Str, Str] = field(default_factory=dict)
+    """Adapters served from the start: name -> local PEFT directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``). More can be loaded at run time (``LLMEngine.load_lora``)."""
+    max_loras: Int = Field(4, ge=1, le=256)
+    """Adapter slots on the device: a step mixes requests of at most this many adapters."""
+    max_lora_rank: Int = Field(16, ge=1, le=1024)
+    """Largest rank accepted; every slot is sized for it."""
+    max_cpu_loras: Int | None = Field(None, ge=1)
+    """Adapters whose weights stay in host memory (LRU) once read, so a slot reloads without the
+    disk. None: ``max_loras``."""
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name in adapters:
+            if re.fullmatch(ADAPTER_NAME, name) is None:
+                raise ValueError(f"adapter name {name!r} must match {ADAPTER_NAME}")
+        return adapters
+
+
 @validated()
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig | None = None
+    """LoRA adapters on this base model (engine.lora); None: the base model only."""
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """``auto``: on CUDA the first that runs here of fa3, flash, varlen (FlashAttention kernels) and
     triton; on CPU the ``cpu`` kernel (built on first use); else torch."""
@@ -132,11 +160,13 @@ class EngineConfig:
                     "parallel": ParallelConfig}
         kwargs: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
-        top_fields = {"attention_backend", "enforce_eager", "compile_model", "profile", "num_threads",
+        top_fields = {"lora", "attention_backend", "enforce_eager", "compile_model", "profile", "num_threads",
                       "stuck_timeout_s"}
         owners = {f.name: name for name, klass in sections.items() for f in dataclasses.fields(klass)}
         for key, value in options.items():
-            if key in top_fields:
+            if key == "lora" and isinstance(value, dict):
+                top[key] = LoRAConfig(**value)
+            elif key in top_fields:
                 top[key] = value
             elif key in owners and key != "model":
                 kwargs[owners[key]][key] = value

@@ -12,15 +12,17 @@ import itertools
 import json
 import logging
 import random
+import re
 import time
 import uuid
 import weakref
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from engine.config import EngineConfig
-from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.config import ADAPTER_NAME, EngineConfig
+from engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError, UnknownAdapterError
 from engine.kv.block_manager import BlockManager
+from engine.lora import AdapterInfo, LoRAManager
 from engine.model import ModelArch
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
 from engine.request import Request
@@ -80,7 +82,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         # A request can never hold more tokens than the pool, or it would preempt itself forever.
         self.max_total_tokens = min(self.max_model_len, self.runner.num_blocks * bs)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_total_tokens)
+        self.lora = LoRAManager(config.lora, self.arch, self._activate_lora) if config.lora is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_total_tokens, self.lora)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids | _generation_eos_ids(self.model_path))
         self.grammars = GrammarBook(self.model_path, self.arch.vocab_size, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}
@@ -145,13 +148,15 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
                     resume_token_ids: Sequence[int] = (),
-                    resume_choices: Mapping[int, Sequence[int]] | None = None) -> str:
+                    resume_choices: Mapping[int, Sequence[int]] | None = None, lora: str | None = None) -> str:
         """Queue a request. ``resume_token_ids``: output tokens it already produced elsewhere (a
         replica died mid-stream); they are recomputed like a preempted request's, counted in
         ``max_tokens`` and in the seeded sampler's positions, and not emitted again.
-        ``resume_choices``: the same for ``n`` > 1, by choice index: only the choices named run."""
+        ``resume_choices``: the same for ``n`` > 1, by choice index: only the choices named run.
+        ``lora``: the name of a served LoRA adapter to run with (None: the base model)."""
         params = params or SamplingParams()
         prompt = self.check_request(prompt_token_ids, params, priority)
+        adapter = self.adapter(lora) if lora is not None else None
         plan = self._choices(prompt, params, resume_token_ids, resume_choices)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
@@ -176,6 +181,9 @@ class LLMEngine:
                           self.eos_token_ids, arrival_time, index)
             req.token_ids.extend(done)
             req.matcher = matchers.get(index)
+            if adapter is not None:
+                req.lora_name, req.root_hash = adapter.name, adapter.root_hash
+                req.last_block_hash = adapter.root_hash
             req.record(req.timing.arrival_time, "queued", self.scheduler.num_waiting, len(self.scheduler.running))
             choices.append(req)
         self.requests[request_id] = choices
@@ -228,6 +236,38 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt and resumed tokens ({len(prompt) + len(resumed)}) leave no room "
                                       f"within {self.max_total_tokens} tokens")
         return resumed
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapter(self, name: str) -> AdapterInfo:
+        """A served adapter by name; UnknownAdapterError names the ones there are."""
+        if self.lora is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded; this engine serves no LoRA adapters "
+                                      "(configure lora)")
+        return self.lora.info(name)
+
+    def load_lora(self, name: str, path: str | Path) -> AdapterInfo:
+        """Serve the PEFT adapter at ``path`` as ``name`` (replacing an idle one of that name)."""
+        if self.lora is None:
+            raise AdapterLoadError("this engine was built without LoRA (configure lora to load adapters)")
+        if re.fullmatch(ADAPTER_NAME, name or "") is None:
+            raise AdapterLoadError(f"adapter name {name!r} must match {ADAPTER_NAME}")
+        self._check_idle(name)
+        return self.lora.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.adapter(name)
+        self._check_idle(name)
+        self.lora.unregister(name)
+
+    def _check_idle(self, name: str) -> None:
+        users = sum(r.lora_name == name for choices in self.requests.values() for r in choices)
+        if users:
+            raise AdapterLoadError(f"adapter {name!r} has {users} unfinished requests; retry once they end")
+
+    def _activate_lora(self, slot: int, info: AdapterInfo) -> None:
+        if self.tp is not None:
+            self.tp.send_lora(slot, info)
+        self.runner.lora.activate(slot, info)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Drop a request (or one of its choices); its slots and blocks are free before the next step."""

@@ -19,3 +19,12 @@ class EngineDeadError(RuntimeError):
 
 class ModelLoadError(ValueError):
     """A model directory is missing files, holds corrupt ones, or an unsupported architecture."""
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request names a LoRA adapter this engine does not serve (HTTP 404 / NOT_FOUND)."""
+
+
+class AdapterLoadError(ValueError):
+    """A LoRA adapter directory that cannot serve on this base model: missing files, an
+    unsupported PEFT option, a rank above ``max_lora_rank``, tensors of another model's shapes."""

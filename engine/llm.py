@@ -42,8 +42,10 @@ class LLM:
                                   f"got {type(prompt).__name__}")
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in prompt order."""
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order. ``lora``: a served adapter's
+        name for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -54,16 +56,21 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompts)
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise InvalidRequestError(f"lora has {len(adapters)} entries for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        for (_, ids), params, prio in zip(encoded, params_list, prios):  # reject before scheduling anything
+        for (_, ids), params, prio, name in zip(encoded, params_list, prios, adapters):  # reject before scheduling
             self.engine.check_request(ids, params, prio)
+            if name is not None:
+                self.engine.adapter(name)
         trackers: dict[str, list[_TextTracker]] = {}
         todo = []
-        for (text, ids), params, prio in zip(encoded, params_list, prios):
+        for (text, ids), params, prio, name in zip(encoded, params_list, prios, adapters):
             rid = f"offline-{self._counter}"
             self._counter += 1
             trackers[rid] = [_TextTracker(i, params, self.tokenizer) for i in range(params.n)]
-            todo.append((rid, ids, params, prio))
+            todo.append((rid, ids, params, prio, name))
         # Fed in the scheduler's own order, so priorities hold even beyond the queue bound.
         self._run(collections.deque(sorted(todo, key=lambda item: item[3])), trackers, use_tqdm)
         return [_result(rid, text, ids, choices)  # in prompt order
@@ -100,9 +107,9 @@ class LLM:
     def _feed(self, todo: collections.deque) -> None:
         """Add requests until the engine's waiting queue is full (``max_waiting``)."""
         while todo:
-            rid, ids, params, prio = todo[0]
+            rid, ids, params, prio, name = todo[0]
             try:
-                self.engine.add_request(ids, params, rid, prio)
+                self.engine.add_request(ids, params, rid, prio, lora=name)
             except EngineOverloadedError:
                 if not self.engine.has_unfinished():
                     raise  # max_waiting=0: no finishing request will ever make room

@@ -28,6 +28,7 @@ class Request:
         "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
         "max_total_tokens", "seed", "eos_token_ids", "matcher", "index", "held", "prompt_logprobs",
+        "lora_name", "lora_slot", "root_hash",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -61,6 +62,12 @@ class Request:
         first token has none). Choice 0 computes them for all; its siblings use the prefix cache."""
         self.held: list[Request] = []
         """Siblings queued only once this one's prompt is in the prefix cache, so they share its blocks."""
+        self.lora_name: str | None = None
+        """The LoRA adapter it runs with (None: the base model)."""
+        self.lora_slot = -1
+        """The device slot holding that adapter while the request runs (engine.lora.manager)."""
+        self.root_hash = ROOT_HASH
+        """Parent of its first KV block's digest: the adapter's, so adapters never share cached KV."""
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.cpu_features import fast_bf16
 from engine.cuda_graphs import DecodeGraphs
 from engine.memory import MemoryBudget, dummy_prefill, measure_peak, outside_torch_bytes, worst_case_sampling
+from engine.lora import LoRAModel
 from engine.model import ModelArch, load_model
 from engine.model.compiled import CompiledDecoder
 from engine.model.layers import cpu_prepack_supported
@@ -72,12 +73,17 @@ class ModelRunner:
                                       arch.head_dim, self.block_size, self.dtype)
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.lora: LoRAModel | None = None
+        if config.lora is not None:
+            lora = config.lora
+            self.lora = LoRAModel(self.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras or lora.max_loras)
         if cpu_prepack_supported(self.device, self.dtype):
             # Decode steps run about max_num_seqs rows through every linear layer.
             self.model.prepack(config.scheduler.max_num_seqs)
         # Not with tensor parallelism: its ranks all-reduce mid-layer, outside what one graph can trace.
         self.compiled: CompiledDecoder | None = None
-        if config.compile_model and not config.enforce_eager and self.group.world_size == 1:
+        # Nor with LoRA: the step's adapter map is host state the traced graph would bake in.
+        if config.compile_model and not config.enforce_eager and self.group.world_size == 1 and self.lora is None:
             self.compiled = CompiledDecoder(self.model)
         self.decoder: Callable = (self.model if self.compiled is None
                                   else functools.partial(self.compiled, backend=self.backend))
@@ -86,7 +92,7 @@ class ModelRunner:
         self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.group.world_size == 1
-                           and self.backend.supports_cuda_graphs)
+                           and self.backend.supports_cuda_graphs and self.lora is None)
         # Most context tokens one step can read: every slot at full length, rounded to blocks.
         self.max_context_tokens = max_seqs * -(-max_model_len // self.block_size) * self.block_size
         blocks = self._pool_size()
@@ -185,6 +191,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def prepare(self, chunks: list):
+        if self.lora is not None:
+            self.lora.set_step(order_chunks(chunks)[0], self.device)
         return build_step_inputs(chunks, self.block_size, self.device, self.block_table)
 
     @torch.inference_mode()

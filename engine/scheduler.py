@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
-from engine.kv.hashing import ROOT_HASH
+from engine.lora.manager import LoRAManager
 from engine.outputs import FINISH_ABORT, PREEMPT_KV_FULL
 from engine.request import Request, RequestStatus
 
@@ -51,6 +51,10 @@ class ScheduledChunk:
                      min(self.start + self.num_tokens, req.num_prompt_tokens - 1))
 
     @property
+    def lora_slot(self) -> int:
+        return self.request.lora_slot
+
+    @property
     def token_ids(self) -> list[int]:
         """The tokens computed in this step."""
         return self.request.token_ids[self.start:self.start + self.num_tokens]
@@ -77,8 +81,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_total_tokens: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_total_tokens: int,
+                 lora: LoRAManager | None = None) -> None:
         self.config = config
+        self.lora = lora
         self.blocks = block_manager
         self.max_total_tokens = max_total_tokens
         self.static = config.scheduling == "static"
@@ -118,6 +124,7 @@ class Scheduler:
         if req.block_ids:
             self.blocks.free(req.block_ids)
             req.block_ids = []
+        self._release_lora(req)
         req.status = RequestStatus.FINISHED
 
     def abort(self, req: Request) -> None:
@@ -185,7 +192,8 @@ class Scheduler:
         req.record(out.time, "preempted", PREEMPT_KV_FULL, req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.num_hashed_blocks = 0
-        req.last_block_hash = ROOT_HASH
+        req.last_block_hash = req.root_hash
+        self._release_lora(req)
         req.status = RequestStatus.PREEMPTED
         req.timing.num_preemptions += 1
         self.num_preemptions += 1
@@ -215,7 +223,8 @@ class Scheduler:
             if req is None:
                 break
             # Prompt logprobs need the logits of every prompt position: nothing comes from the cache.
-            cached, hashes = ([], []) if req.needs_prompt_logprobs else self.blocks.match_prefix(req.token_ids)
+            cached, hashes = (([], []) if req.needs_prompt_logprobs
+                              else self.blocks.match_prefix(req.token_ids, req.root_hash))
             num_cached = len(cached) * self.blocks.block_size
             n = req.num_tokens - num_cached
             if n > budget:
@@ -228,6 +237,11 @@ class Scheduler:
             need = self.blocks.blocks_needed(num_cached + n) - len(cached)
             if not self.blocks.can_allocate(need, reusing=cached):
                 break  # head-of-line: keep FCFS order within a priority
+            if req.lora_name is not None:
+                req.lora_slot = self.lora.acquire(req.lora_name)
+                if req.lora_slot is None:  # every slot is held by running requests of other adapters
+                    req.lora_slot = -1
+                    break
             self._pop_candidate()
             first_time = req.status is RequestStatus.WAITING
             if first_time:
@@ -239,13 +253,18 @@ class Scheduler:
             req.block_ids = cached + self.blocks.allocate(need)
             req.num_computed_tokens = num_cached
             req.num_hashed_blocks = len(cached)
-            req.last_block_hash = hashes[-1] if hashes else ROOT_HASH
+            req.last_block_hash = hashes[-1] if hashes else req.root_hash
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled[req.seq_no] = ScheduledChunk(req, num_cached, n, num_cached)
             out.admitted.append(req.request_id)
             budget -= n
         return budget
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
 
     def after_step(self, out: SchedulerOutput) -> None:
         """Advance computed counts, publish blocks that became full to the prefix cache and

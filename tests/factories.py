@@ -71,3 +71,26 @@ def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, with_tokenize
     if with_tokenizer:
         build_tokenizer().save_pretrained(path)
     return path
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_dir(base: Path, path: Path, rank: int = 4, seed: int = 0, modules=LORA_MODULES,
+                  alpha: float | None = None, scale: float = 0.3, **config) -> Path:
+    """A PEFT LoRA adapter of ``base`` with random A and B (PEFT starts B at zero, which would make
+    every adapter the base model), saved as ``peft`` saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=list(modules),
+                      lora_dropout=0.0, **config)
+    peft_model = get_peft_model(model, lora)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
+    peft_model.save_pretrained(path)
+    return Path(path)

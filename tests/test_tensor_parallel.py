@@ -206,7 +206,7 @@ def test_rank_killed_mid_stream_fails_the_stream_and_health(tmp_path):
 def test_step_message_sends_block_tables_as_deltas():
     from engine.request import Request
     from engine.scheduler import ScheduledChunk
-    from engine.tp.messages import FIELDS, StepDecoder, StepEncoder  # kept, new at 4-5; scored positions at 6-7
+    from engine.tp.messages import StepDecoder, StepEncoder  # kept, new at 4-5; scored at 6-7; LoRA slot at 8
 
     def request(seq_no, tokens, blocks):
         req = Request(str(seq_no), tokens, GREEDY, 0, seq_no, 1000, 0, frozenset())
@@ -220,8 +220,8 @@ def test_step_message_sends_block_tables_as_deltas():
         msg = enc.encode(chunks)
         got = dec.decode(msg)
         for c, r in zip(chunks, got):
-            assert (r.start, r.num_tokens, r.samples, r.token_ids, r.prompt_logprob_positions) == (
-                c.start, c.num_tokens, c.samples, c.token_ids, c.prompt_logprob_positions)
+            assert (r.start, r.num_tokens, r.samples, r.token_ids, r.prompt_logprob_positions, r.lora_slot) == (
+                c.start, c.num_tokens, c.samples, c.token_ids, c.prompt_logprob_positions, c.lora_slot)
             assert r.block_ids == c.block_ids[:-(-(c.start + c.num_tokens) // 4)]
         return msg
 
@@ -238,8 +238,9 @@ def test_step_message_sends_block_tables_as_deltas():
     assert msg[1 + 4:1 + 6] == [0, 1]
     scored = request(2, list(range(30)), [1, 2, 11, 12, 13, 14, 15, 16])
     scored.prompt_logprobs = [None] * 5  # 4 prompt tokens scored already
+    scored.lora_slot = 3
     msg = roundtrip([ScheduledChunk(scored, 0, 16)])  # recomputed from 0: scores positions 4..15
-    assert msg[1 + 6:1 + FIELDS] == [4, 16]
+    assert msg[1 + 6:1 + 9] == [4, 16, 3]
 
 
 def test_hung_rank_trips_the_collective_timeout(tmp_path):

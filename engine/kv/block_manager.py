@@ -77,8 +77,9 @@ class BlockManager:
             b = None
         return b, h
 
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def match_prefix(self, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> tuple[list[int], list[bytes]]:
         """Cached full blocks covering the longest prefix of ``token_ids`` (not taken yet).
+        ``root``: the chain's first parent (a LoRA adapter's own, engine.lora.adapter).
 
         At most ``len(token_ids) - 1`` tokens are matched: the last prompt token is always
         computed so the request gets logits to sample from. Returns (block ids, their digests).
@@ -87,7 +88,7 @@ class BlockManager:
             return [], []
         blocks: list[int] = []
         hashes: list[bytes] = []
-        parent = ROOT_HASH
+        parent = root
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             b, h = self.lookup(parent, token_ids[i * bs:(i + 1) * bs])

@@ -79,10 +79,13 @@ class LinearBase(nn.Module):
     """oneDNN-packed weight (CPU, after ``prepack``); the dense weight is then released."""
     packed_index: int = -1
     """This layer's number in the compiled model's list of packed layers (engine.model.compiled)."""
+    lora = None
+    """Every adapter slot's weights for this projection (engine.lora.layers.LoRAWeights), if served."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup) -> None:
         super().__init__()
         self.group = group
+        self.in_features, self.out_features = in_features, out_features  # this rank's
         self.weight = _attach(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
                               self.weight_loader)
         self.bias = (_attach(nn.Parameter(torch.empty(out_features), requires_grad=False), self.weight_loader)
@@ -99,7 +102,9 @@ class LinearBase(nn.Module):
         if self.packed is not None and torch.compiler.is_compiling():
             # A packed oneDNN weight cannot be traced: the compiled graph names the layer instead.
             return torch.ops.slotserve.packed_linear(x, self.packed_index, self.packed.shape[0], with_bias)
-        return linear(x, self.weight, self.bias if with_bias else None, self.packed)
+        out = linear(x, self.weight, self.bias if with_bias else None, self.packed)
+        delta = self.lora.delta(x) if self.lora is not None else None
+        return out if delta is None else out.add_(delta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, True)

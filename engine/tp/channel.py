@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-STEP, STOP = 1, 2
+STEP, STOP, LORA = 1, 2, 3
+"""Message kinds. LORA: ``[slot, *utf-8 bytes of an AdapterInfo's JSON]``, before the step that uses it."""
 FIRST_CAPACITY = 1024  # int64s: a decode step of ~100 requests fits in one broadcast
 
 

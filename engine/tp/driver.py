@@ -16,7 +16,7 @@ from engine.errors import EngineDeadError
 from engine.model import ModelArch
 from engine.parallel import check_tp_shapes
 from engine.runner import ModelRunner
-from engine.tp.channel import STEP, STOP
+from engine.tp.channel import LORA, STEP, STOP
 from engine.tp.launcher import ProcessLauncher, RankLauncher
 from engine.tp.messages import StepEncoder
 from engine.tp.rendezvous import RankSpec, StartupWatch, join, leave, open_store
@@ -81,6 +81,12 @@ class TensorParallelDriver:
         payload = self.encoder.encode(chunks)
         with self._lock:
             self.channel.send(STEP, payload)
+
+    def send_lora(self, slot: int, info) -> None:
+        """Every other rank puts adapter ``info`` (engine.lora.AdapterInfo) in ``slot``, reading its shard."""
+        self.check()
+        with self._lock:
+            self.channel.send(LORA, [slot, *info.to_json().encode()])
 
     def check(self) -> None:
         """Raise EngineDeadError when a rank is gone or a collective has failed."""

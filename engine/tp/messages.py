@@ -1,19 +1,21 @@
 """The step message rank 0 sends the other ranks: compact, and block tables as deltas.
 
-Per chunk: ``key, start, num_tokens, samples, kept, num_new, scored_from, scored_to`` then
+Per chunk: ``key, start, num_tokens, samples, kept, num_new, scored_from, scored_to, lora_slot`` then
 this step's token ids, then the block ids appended since the previous step. ``scored_*``: the
 positions whose logits score prompt tokens (``prompt_logprob_positions``): every rank's LM
 head computes the same rows, since rank 0 gathers them. ``kept`` is how many leading blocks
 the receiver keeps from what it holds for ``key`` (a request's ``seq_no``); a request whose
 block table was replaced (preempted, readmitted) is resent whole (``kept`` = 0). Both sides
 remember exactly the requests of the previous step, so nothing else has to be freed.
+``lora_slot``: the adapter slot the chunk's tokens use (-1: none); what a slot holds is sent
+before the step that first uses it (``LORA`` messages, engine.tp.channel).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-FIELDS = 8
+FIELDS = 9
 
 
 @dataclass(slots=True)
@@ -26,6 +28,7 @@ class RemoteChunk:
     token_ids: list[int]
     block_ids: list[int]
     prompt_logprob_positions: range = range(0)
+    lora_slot: int = -1
     request: None = None
 
 
@@ -50,7 +53,8 @@ class StepEncoder:
             kept = prev[1] if prev is not None and prev[0] is blocks and prev[1] <= need else 0
             new = blocks[kept:need]
             scored = c.prompt_logprob_positions
-            out += (key, c.start, c.num_tokens, int(c.samples), kept, len(new), scored.start, scored.stop)
+            out += (key, c.start, c.num_tokens, int(c.samples), kept, len(new), scored.start, scored.stop,
+                    c.lora_slot)
             out += c.token_ids
             out += new
             sent[key] = (blocks, need)
@@ -69,7 +73,7 @@ class StepDecoder:
         blocks_now: dict[int, list[int]] = {}
         i = 1
         for _ in range(msg[0]):
-            key, start, num_tokens, samples, kept, num_new, scored_from, scored_to = msg[i:i + FIELDS]
+            key, start, num_tokens, samples, kept, num_new, scored_from, scored_to, lora_slot = msg[i:i + FIELDS]
             i += FIELDS
             tokens = msg[i:i + num_tokens]
             i += num_tokens
@@ -80,7 +84,8 @@ class StepDecoder:
             blocks.extend(msg[i:i + num_new])
             i += num_new
             blocks_now[key] = blocks
-            chunks.append(RemoteChunk(start, num_tokens, bool(samples), tokens, blocks, range(scored_from, scored_to)))
+            chunks.append(RemoteChunk(start, num_tokens, bool(samples), tokens, blocks, range(scored_from, scored_to),
+                                      lora_slot))
         if i != len(msg):
             raise RuntimeError(f"step message has {len(msg)} ints, decoded {i}")
         self._blocks = blocks_now

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.tp.channel import STEP, STOP
+from engine.tp.channel import LORA, STEP, STOP
 from engine.tp.messages import StepDecoder
 from engine.tp.rendezvous import RankSpec, join, leave, open_store, report_error, report_ready, say, wait_go
 
@@ -51,7 +51,11 @@ def run_rank(spec: RankSpec) -> None:
         kind, payload = channel.recv()
         if kind == STOP:
             break
-        if kind != STEP:
+        if kind == LORA:
+            from engine.lora import AdapterInfo
+            runner.lora.activate(payload[0], AdapterInfo.from_json(bytes(payload[1:]).decode()))
+        elif kind == STEP:
+            runner.follow(decoder.decode(payload))
+        else:
             raise RuntimeError(f"rank {spec.rank}: unknown message kind {kind}")
-        runner.follow(decoder.decode(payload))
     leave()

@@ -1,0 +1,254 @@
+"""LoRA adapters on the engine: a batch mixing three adapters and the base model gives each
+request what HF transformers + PEFT gives it alone, under preemption, with fewer slots than
+adapters (eviction and reload) and under tensor parallelism; adapters never share cached KV;
+bad adapters and unknown names are refused by name while the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import AdapterLoadError, UnknownAdapterError
+from engine.lora import LoRAManager
+from tests.factories import make_lora_dir, make_model_dir
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+# Uneven KV groups (like SmolLM2's): under TP=2 the ranks hold 2 and 1 of them, so B's q/k/v rows
+# are cut unevenly.
+MODEL = dict(hidden=96, heads=6, kv_heads=3)
+ADAPTERS = {  # name: (rank, modules, extra PEFT options)
+    "all-r4": (4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), {}),
+    "qv-down-r8": (8, ("q_proj", "v_proj", "down_proj"), {"use_rslora": True}),
+    "mlp-k-r2": (2, ("gate_proj", "up_proj", "o_proj", "k_proj"), {}),
+}
+PROMPTS = [list(range(5, 40)), [7, 7, 8, 9], list(range(100, 117)), [300, 301, 302] * 7]
+PLAN = [(p, name) for p in PROMPTS for name in (None, *ADAPTERS)]  # every prompt with every adapter and none
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("lora-base"), "llama", seed=3, with_tokenizer=False, **MODEL)
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: str(make_lora_dir(base, root / name, rank=r, seed=i, modules=mods, **extra))
+            for i, (name, (r, mods, extra)) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def expected(base, adapters):
+    """HF + PEFT greedy tokens of each (prompt, adapter), one at a time."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name in (None, *adapters):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name]).eval()
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                 min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+            out[tuple(p), name] = gen[0, len(p):].tolist()
+    assert len({tuple(v) for v in out.values()}) == len(out), "adapters must change the output"
+    return out
+
+
+def _run(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in PLAN], GREEDY, lora=[name for _, name in PLAN])
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _want(expected) -> list[list[int]]:
+    return [expected[tuple(p), name] for p, name in PLAN]
+
+
+KNOBS = {
+    "mixed": dict(lora_opts=dict(max_loras=4), num_kv_blocks=256),
+    # 10 blocks x 8 tokens for 16 requests of up to 46 tokens: preemption is certain.
+    "preemption": dict(lora_opts=dict(max_loras=3), num_kv_blocks=10),
+    # One slot, one adapter in host memory: adapters take turns, each evicted and read again.
+    "one-slot": dict(lora_opts=dict(max_loras=1, max_cpu_loras=1), num_kv_blocks=256),
+}
+
+
+def _llm(base, adapters, lora_opts, **kw) -> LLM:
+    return LLM(str(base), dtype="float32", block_size=8, max_num_seqs=8,
+               lora=dict(adapters=adapters, max_lora_rank=8, **lora_opts), **kw)
+
+
+@pytest.mark.parametrize("knob", list(KNOBS))
+def test_mixed_batch_equals_hf_peft(base, adapters, expected, knob):
+    opts = dict(KNOBS[knob])
+    llm = _llm(base, adapters, opts.pop("lora_opts"), **opts)
+    assert _run(llm) == _want(expected)
+    stats, lora = llm.engine.stats(), llm.engine.lora
+    if knob == "preemption":
+        assert stats.num_preemptions > 0
+    if knob == "one-slot":
+        assert lora.num_evictions >= len(ADAPTERS) - 1 and lora.num_loads > len(ADAPTERS)
+    assert llm.engine.block_manager.num_used == 0 or llm.engine.config.cache.enable_prefix_caching
+    assert not lora.running  # every slot given back
+
+
+def test_tensor_parallel_mixed_batch_equals_hf_peft(base, adapters, expected):
+    llm = _llm(base, adapters, dict(max_loras=2), num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        assert _run(llm) == _want(expected)
+        assert llm.engine.lora.num_evictions > 0  # the ranks followed slot reloads too
+    finally:
+        llm.shutdown()
+
+
+def test_adapters_never_share_cached_kv(base, adapters, tmp_path):
+    llm = _llm(base, adapters, dict(max_loras=2), num_kv_blocks=64)
+    prompt = {"prompt_token_ids": list(range(5, 40))}  # 4 full blocks of 8
+
+    def cached(name):
+        return llm.generate(prompt, GREEDY, lora=name)[0].num_cached_tokens
+
+    assert cached(None) == 0 and cached("all-r4") == 0 and cached("qv-down-r8") == 0
+    assert cached("all-r4") == 32 and cached(None) == 32
+    # The same name over other weights is another adapter to the cache.
+    other = make_lora_dir(base, tmp_path / "other", rank=4, seed=99)
+    llm.engine.load_lora("all-r4", other)
+    assert cached("all-r4") == 0
+
+
+def test_load_at_run_time_then_unload(base, adapters, expected):
+    llm = _llm(base, {}, dict(max_loras=2), num_kv_blocks=64)
+    prompt = PROMPTS[0]
+    with pytest.raises(UnknownAdapterError, match="'all-r4' is not loaded; loaded: none"):
+        llm.generate({"prompt_token_ids": prompt}, GREEDY, lora="all-r4")
+    llm.engine.load_lora("all-r4", adapters["all-r4"])
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, lora="all-r4")
+    assert list(out[0].outputs[0].token_ids) == expected[tuple(prompt), "all-r4"]
+    # Not while a request of it is unfinished; the request still completes.
+    rid = llm.engine.add_request(prompt, GREEDY, lora="all-r4")
+    with pytest.raises(AdapterLoadError, match="1 unfinished requests"):
+        llm.engine.unload_lora("all-r4")
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert rid not in llm.engine.requests
+    llm.engine.unload_lora("all-r4")
+    with pytest.raises(UnknownAdapterError, match="'all-r4'"):
+        llm.engine.add_request(prompt, GREEDY, lora="all-r4")
+    assert not llm.engine.requests
+
+
+def test_engine_without_lora_says_so(base):
+    llm = LLM(str(base), dtype="float32", block_size=8, num_kv_blocks=32)
+    with pytest.raises(UnknownAdapterError, match="serves no LoRA adapters"):
+        llm.engine.add_request([5, 6], GREEDY, lora="x")
+    with pytest.raises(AdapterLoadError, match="configure lora"):
+        llm.engine.load_lora("x", "/nonexistent")
+
+
+def _broken(base, adapters, tmp_path, case: str):
+    """An adapter directory broken in one way; returns (path, what the error must say)."""
+    path = tmp_path / case
+    shutil.copytree(adapters["all-r4"], path)
+    cfg_file = path / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    if case == "no-config":
+        cfg_file.unlink()
+        return path, "cannot read adapter_config.json"
+    if case == "no-weights":
+        (path / "adapter_model.safetensors").unlink()
+        return path, "has no adapter_model.safetensors"
+    if case == "rank-too-high":
+        shutil.rmtree(path)
+        return make_lora_dir(base, path, rank=16), "rank 16 is above max_lora_rank 8"
+    if case == "other-base-model":
+        shutil.rmtree(path)
+        other = make_model_dir(tmp_path / "other-base", "llama", seed=3, with_tokenizer=False, hidden=64)
+        return make_lora_dir(other, path, rank=4), "an adapter of another model"
+    if case == "dora":
+        cfg["use_dora"] = True
+    elif case == "embedding-target":
+        cfg["target_modules"] = ["embed_tokens"]
+    elif case == "not-json":
+        cfg_file.write_text("{")
+        return path, "is not JSON"
+    cfg_file.write_text(json.dumps(cfg))
+    return path, {"dora": "use_dora=True is not supported", "embedding-target": "target_modules must name"}[case]
+
+
+@pytest.mark.parametrize("case", ["no-config", "no-weights", "not-json", "rank-too-high", "other-base-model",
+                                  "dora", "embedding-target"])
+def test_bad_adapter_is_refused_and_the_engine_keeps_serving(base, adapters, expected, tmp_path, case):
+    llm = _llm(base, {"all-r4": adapters["all-r4"]}, dict(max_loras=2), num_kv_blocks=64)
+    path, says = _broken(base, adapters, tmp_path, case)
+    with pytest.raises(AdapterLoadError, match=says):
+        llm.engine.load_lora("broken", path)
+    assert "broken" not in llm.engine.lora.adapters
+    prompt = PROMPTS[1]
+    assert list(llm.generate({"prompt_token_ids": prompt}, GREEDY, lora="all-r4")[0].outputs[0].token_ids) == \
+        expected[tuple(prompt), "all-r4"]
+
+
+@pytest.mark.parametrize("name", ["../etc", "a/b", "", "x" * 200])
+def test_adapter_names_are_checked(base, adapters, name):
+    llm = _llm(base, {}, dict(max_loras=1), num_kv_blocks=32)
+    with pytest.raises(AdapterLoadError, match="must match"):
+        llm.engine.load_lora(name, adapters["all-r4"])
+
+
+def test_slots_are_reused_least_recently_used_first(base, adapters):
+    from engine.model import ModelArch
+
+    loads = []
+    config = _llm_config(adapters, max_loras=2)
+    manager = LoRAManager(config, ModelArch.from_dir(base), lambda slot, info: loads.append((slot, info.name)))
+    a = manager.acquire("all-r4")
+    b = manager.acquire("qv-down-r8")
+    assert {a, b} == {0, 1} and manager.acquire("all-r4") == a  # held twice now
+    assert manager.acquire("mlp-k-r2") is None  # both slots held by running requests
+    manager.release(b)
+    assert manager.acquire("mlp-k-r2") == b and manager.num_evictions == 1
+    manager.release(a)
+    manager.release(a)
+    manager.release(b)
+    assert manager.acquire("qv-down-r8") == a  # a was idle longest
+    assert loads == [(a, "all-r4"), (b, "qv-down-r8"), (b, "mlp-k-r2"), (a, "qv-down-r8")]
+    assert manager.running == {"qv-down-r8": 1}
+
+
+def _llm_config(adapters, **opts):
+    from engine.config import LoRAConfig
+
+    return LoRAConfig(adapters=adapters, max_lora_rank=8, **opts)
+
+
+def test_default_model_with_an_adapter_equals_hf_peft(default_model_dir, tmp_path):
+    """The served default model (30 layers, tied embeddings, 3 KV heads): base and adapter in one batch."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = make_lora_dir(default_model_dir, tmp_path / "smol-lora", rank=8, seed=5, scale=0.5)
+    prompt = [1, 504, 3458, 282, 2743, 314, 253, 1550, 30, 216]
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    def greedy(hf):
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False, pad_token_id=0)
+        return gen[0, len(prompt):].tolist()
+
+    want = [greedy(model)]
+    want.append(greedy(PeftModel.from_pretrained(model, adapter).eval()))  # wraps the model in place
+    assert want[0] != want[1]
+    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_gb=0.1,
+              lora=dict(adapters={"smol": str(adapter)}, max_lora_rank=8, max_loras=1))
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, lora=[None, "smol"])
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
