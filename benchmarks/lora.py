@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [chat([{"role": "user", "content": ASK.format(i=i)}]) for i in range(args.requests)]
     with_slots = {k: LLM(args.model, **common, lora=dict(adapters={n: adapters[n] for n in list(adapters)[:k]},
                                                          max_loras=k, max_lora_rank=args.rank)) for k in counts}
-    runs = [("base", base, [None] * len(prompts)), ("slots, no adapter", with_slots[max(counts)], [None] * len(prompts))]
+    no_adapter = [None] * len(prompts)
+    runs = [("base", base, no_adapter), ("slots, no adapter", with_slots[max(counts)], no_adapter)]
     runs += [(f"{k} adapter{'s' * (k > 1)}", with_slots[k], [f"a{i % k}" for i in range(len(prompts))]) for k in counts]
     results: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
     _run(base, prompts[:2], [None, None], 4)  # warm the kernels
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, llm, names in runs:
             results[name].append(_run(llm, prompts, names, args.max_tokens))
     base_tok_s = sum(r["tok_s"] for r in results["base"]) / args.rounds
-    print(f"| run | tok/s per round | step ms | vs base |\n| --- | ---: | ---: | ---: |")
+    print("| run | tok/s per round | step ms | vs base |\n| --- | ---: | ---: | ---: |")
     for name, rs in results.items():
         mean = sum(r["tok_s"] for r in rs) / len(rs)
         per_round = " / ".join(f"{r['tok_s']:.1f}" for r in rs)

@@ -142,6 +142,9 @@ class AppConfig(BaseModel):
     """How the served model writes tool calls (vLLM's ``--tool-call-parser``): ``hermes`` for
     Hermes / Qwen / SmolLM and models given slotserve's tool prompt, ``llama3_json`` for Llama 3."""
     request_timeout_s: Float | None = Field(None, gt=0)
+    lora_load_dir: Str | None = Field(None, min_length=1)
+    """LoRA adapters may be loaded at run time (``POST /v1/load_lora_adapter``) from inside this
+    directory only; None: that API is off (as vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
     max_body_bytes: Int = Field(8 * 1024 * 1024, ge=1)
     api_keys: tuple[Str, ...] = Field((), repr=False)
     """Strings of at least 8 characters; never shown in errors or logs."""
@@ -246,7 +249,9 @@ def frontend_config(cfg: AppConfig) -> FrontendConfig:
                           max_prompt_chars=cfg.max_prompt_chars, default_max_tokens=cfg.default_max_tokens,
                           request_timeout_s=cfg.request_timeout_s, api_keys=cfg.api_keys,
                           api_keys_file=cfg.api_keys_file, ingress_replicas=cfg.ingress.num_replicas,
-                          tool_call_parser=cfg.tool_call_parser)
+                          tool_call_parser=cfg.tool_call_parser,
+                          lora_adapters=tuple((cfg.engine.get("lora") or {}).get("adapters", {})),
+                          lora_load_dir=cfg.lora_load_dir)
 
 
 def _autoscaling_config(cfg: AppConfig):

@@ -48,6 +48,9 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> bool:
         """Abort the request on whichever replica runs it; False if none does."""
 
+    async def manage_lora(self, name: str, path: str | None) -> int:
+        """Load LoRA adapter ``name`` from ``path`` on every replica (unload it: ``path`` None); how many."""
+
 
 class _LocalStream:
     def __init__(self, replica, request: dict) -> None:
@@ -114,6 +117,11 @@ class LocalEngineClient:
 
     async def model_info(self) -> dict:
         return self._replicas[0].model_info()
+
+    async def manage_lora(self, name: str, path: str | None) -> int:
+        for replica in self._replicas:
+            await replica.manage_lora({"lora_name": name, "lora_path": path})
+        return len(self._replicas)
 
     async def replica_loads(self) -> list[dict]:
         return [replica.record_routing_stats() for replica in self._replicas]

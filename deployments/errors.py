@@ -15,7 +15,8 @@ import asyncio
 import ray.exceptions as ray_exceptions
 import ray.serve.exceptions as ray_serve_exceptions
 
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import (AdapterLoadError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
+                           UnknownAdapterError)
 
 
 class ServingError(Exception):
@@ -116,6 +117,10 @@ def to_serving_error(exc: BaseException) -> ServingError:
     exc = unwrap(exc)
     if isinstance(exc, ServingError):
         return exc
+    if isinstance(exc, UnknownAdapterError):
+        return ModelNotFound(str(exc), param="model")
+    if isinstance(exc, AdapterLoadError):
+        return BadRequest(str(exc), param="lora_path")
     if isinstance(exc, InvalidRequestError):
         return BadRequest(str(exc))
     if isinstance(exc, EngineOverloadedError):

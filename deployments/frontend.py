@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping, Sequence
 
+from deployments.adapters import Adapters
 from deployments.admission import Admission, ApiKeys
 from deployments.engine_client import EngineClient, EngineStream
-from deployments.errors import (BadRequest, DeadlineExceeded, ModelNotFound, Overloaded, Unauthenticated,
+from deployments.errors import (BadRequest, DeadlineExceeded, Overloaded, Unauthenticated,
                                 ServingError, Unavailable, to_serving_error, unwrap)
 from deployments.metrics import IngressMetrics
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
@@ -63,6 +64,10 @@ class FrontendConfig:
     """This ingress admits its share of the streams all engine replicas can hold."""
     tool_call_parser: str = "hermes"
     """How the model writes tool calls (``deployments.tools.PARSERS``): as vLLM's ``--tool-call-parser``."""
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters the engines serve (engine option ``lora.adapters``): each is a ``model`` of its own."""
+    lora_load_dir: str | None = None
+    """Adapters loaded at run time (``/v1/load_lora_adapter``) must lie inside it; None: that API is off."""
 
 
 class _Inflight:
@@ -84,6 +89,7 @@ class Frontend:
         self._inflight: dict[str, _Inflight] = {}
         self._keys = ApiKeys(config.api_keys, config.api_keys_file)
         self._admission = Admission(engine.replica_loads if engine is not None else None, config.ingress_replicas)
+        self.adapters = Adapters(config.lora_adapters, config.lora_load_dir, engine)
         self.metrics = IngressMetrics.for_model(config.served_model_name)  # rejections, counted by the protocols
         self.tracing = tracing if tracing is not None else Tracing.from_env()  # spans, started by the protocols
 
@@ -102,10 +108,10 @@ class Frontend:
         if not key or not any(matches):
             raise Unauthenticated("missing or invalid API key: send 'authorization: Bearer <key>'")
 
-    def check_model(self, model: str | None) -> None:
-        if model and model not in (self.config.served_model_name, self.config.model):
-            raise ModelNotFound(f"model {model!r} is not served here; this server serves "
-                                f"{self.config.served_model_name!r} (see /v1/models)", param="model")
+    async def check_model(self, model: str | None) -> tuple[str | None, str | None]:
+        """(LoRA adapter, its directory if replicas may lack it) that ``model`` names; (None, None) for
+        the base model; NOT_FOUND for anything else."""
+        return await self.adapters.resolve(model, (self.config.served_model_name, self.config.model))
 
     @property
     def known_engine_info(self) -> dict | None:
@@ -134,7 +140,8 @@ class Frontend:
                 "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"],
                 "eos_token_ids": list(self.tokenizer.eos_token_ids),
                 "has_chat_template": bool(getattr(self.tokenizer, "has_chat_template", False)),
-                "max_prompt_tokens": self._max_prompt_tokens(info)}
+                "max_prompt_tokens": self._max_prompt_tokens(info),
+                "lora_adapters": list(await self.adapters.served())}
 
     def _max_prompt_tokens(self, info: dict) -> int:
         limit = info["max_model_len"] - 1
@@ -171,7 +178,7 @@ class Frontend:
     async def prepare(self, inp: GenerateInput, trace_context: Mapping[str, str] | None = None) -> PreparedRequest:
         """``trace_context``: the W3C headers (traceparent, tracestate) the engine replica's spans
         descend from (the ingress span's)."""
-        self.check_model(inp.model)
+        lora, lora_path = await self.check_model(inp.model)
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(inp, name) is not None]
         if len(given) != 1:
             raise BadRequest("give exactly one of prompt, messages or prompt_token_ids"
@@ -199,7 +206,8 @@ class Frontend:
                                priority=inp.priority,
                                timeout_s=effective_timeout(inp.timeout_s, self.config.request_timeout_s),
                                trace_context=trace_context, client_request_id=inp.request_id,
-                               operation="chat" if inp.messages is not None else "text_completion")
+                               operation="chat" if inp.messages is not None else "text_completion", lora=lora,
+                               lora_path=lora_path)
 
     # -- streaming -------------------------------------------------------------------
 

@@ -235,7 +235,7 @@ class SlotServeGrpcMixin:
         try:
             self.frontend.authorize(metadata(grpc_context, "authorization"))
             msg = parse(pb.TokenizeRequest, request)
-            self.frontend.check_model(msg.model or None)
+            await self.frontend.check_model(msg.model or None)
             which = msg.WhichOneof("input")
             if which == "text":
                 ids = await self.frontend.off_loop(len(msg.text), self.frontend.tokenize_text, msg.text, "text")

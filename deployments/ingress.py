@@ -69,6 +69,15 @@ class HandleEngineClient:
                 logger.info("abort on replica %s failed: %s", stats["replica_id"], exc)
         return False
 
+    async def manage_lora(self, name: str, path: str | None) -> int:
+        """Every replica loads (or unloads) the adapter: one pinned call each, one at a time (as aborts)."""
+        done = 0
+        for stats in await self.replica_loads():
+            await self._handle.manage_lora.remote({"replica_id": stats["replica_id"], "lora_name": name,
+                                                   "lora_path": path})
+            done += 1
+        return done
+
     async def submit_linked(self, request: dict) -> tuple[str, str]:
         return await self._handle.submit_linked.remote(request)
 

@@ -365,6 +365,9 @@ class LinkTransport:
     async def replica_loads(self) -> list[dict]:
         return await self._serve.replica_loads()
 
+    async def manage_lora(self, name: str, path: str | None) -> int:
+        return await self._serve.manage_lora(name, path)
+
     async def abort(self, request_id: str) -> bool:
         for link in self._links.values():  # the stream's own abort goes to its replica; this is a fallback
             if not link.closed:

@@ -24,7 +24,8 @@ import msgspec
 
 from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
                                 Unauthenticated, Unavailable)
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import (AdapterLoadError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
+                           UnknownAdapterError)
 from engine.sampling import SamplingParams
 
 TOKEN_BYTES = 16
@@ -51,6 +52,10 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     attempt: int = 0
     resume_token_ids: list[int] = []
     resume_choices: dict[int, list[int]] | None = None
+    lora: str | None = None
+    """The LoRA adapter to run with (its name); None: the base model."""
+    lora_path: str | None = None
+    """Where a replica that lacks ``lora`` loads it from (an adapter loaded at run time)."""
     trace_context: dict[str, str] | None = None
     operation: str = "text_completion"
     routing: dict[str, Any] | None = None
@@ -60,8 +65,9 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         """The replica's request dict; a bad sampling field raises SamplingParams's error."""
         request = msgspec.structs.asdict(self)
         request["params"] = SamplingParams(**self.params)
-        if self.resume_choices is None:
-            del request["resume_choices"]
+        for key in ("resume_choices", "lora", "lora_path"):
+            if request[key] is None:
+                del request[key]
         return request
 
 
@@ -118,7 +124,7 @@ class Output(msgspec.Struct, array_like=True):
 
 ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
     ServingError, BadRequest, ModelNotFound, Unauthenticated, Overloaded, Unavailable, DeadlineExceeded,
-    Cancelled, EngineDeadError, EngineOverloadedError, InvalidRequestError)}
+    Cancelled, EngineDeadError, EngineOverloadedError, InvalidRequestError, UnknownAdapterError, AdapterLoadError)}
 """What an error can be on the ingress's side: the frontend tells a crashed engine loop from a lost
 replica from an overloaded one by class."""
 

@@ -64,6 +64,14 @@ METRICS: dict[str, MetricDef] = {
     "prefix_cache_hits": MetricDef("counter", "Prompt tokens found in the prefix cache."),
     "iteration_tokens_total": MetricDef("histogram", "Tokens computed per engine step.",
                                         buckets=ITERATION_TOKEN_BUCKETS),
+    # engine replica with LoRA adapters (docs/LORA.md)
+    "lora_requests_info": MetricDef("gauge", "vLLM's LoRA info series: the time, labelled with max_lora and the "
+                                    "adapters running and waiting (comma-separated).",
+                                    tags=("max_lora", "running_lora_adapters", "waiting_lora_adapters")),
+    "lora_requests_running": MetricDef("gauge", "Running requests per LoRA adapter.", tags=("lora_name",)),
+    "lora_requests_waiting": MetricDef("gauge", "Requests waiting for a slot, per LoRA adapter.", tags=("lora_name",)),
+    "lora_loads": MetricDef("counter", "LoRA adapters put in a device slot (from host memory or disk)."),
+    "lora_evictions": MetricDef("counter", "Idle LoRA adapters taken out of a slot to make room for another."),
     # engine replica: per request, when its stream ends
     "prompt_tokens": MetricDef("counter", "Prompt tokens of requests that got their first token."),
     "request_success": MetricDef("counter", "Finished requests, by finish reason (stop, length, abort).",
@@ -187,7 +195,8 @@ def recorder_for(model_name: str) -> Recorder:
 # -------------------------------------------------------------------- engine replica
 
 _STATS_COUNTERS = {"num_preemptions": "num_preemptions", "generation_tokens": "num_generated_tokens",
-                   "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits"}
+                   "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
+                   "lora_loads": "lora_loads", "lora_evictions": "lora_evictions"}
 
 
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
@@ -199,6 +208,7 @@ class EngineMetrics:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self._exported: dict[str, int] = {}  # cumulative engine counters already exported
+        self._adapters_seen: set[str] = set()  # their gauges go back to 0 when they stop running
         for name in (*_STATS_COUNTERS, "prompt_tokens"):
             recorder.start_at_zero(name)
         for reason in FINISH_REASONS:
@@ -223,6 +233,18 @@ class EngineMetrics:
                 rec(name, delta)
         for n in step_tokens:
             rec("iteration_tokens_total", n)
+        if s.max_loras:
+            self._record_lora(s)
+
+    def _record_lora(self, s: EngineStats) -> None:
+        rec = self.recorder.record
+        rec("lora_requests_info", time.time(), {"max_lora": str(s.max_loras),
+                                                "running_lora_adapters": ",".join(sorted(s.lora_running)),
+                                                "waiting_lora_adapters": ",".join(sorted(s.lora_waiting))})
+        self._adapters_seen |= s.lora_running.keys() | s.lora_waiting.keys()
+        for name in self._adapters_seen:
+            rec("lora_requests_running", s.lora_running.get(name, 0), {"lora_name": name})
+            rec("lora_requests_waiting", s.lora_waiting.get(name, 0), {"lora_name": name})
 
     def request(self) -> "RequestMetrics":
         return RequestMetrics(self.recorder)

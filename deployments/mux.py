@@ -344,5 +344,8 @@ class MuxEngineClient:
     async def replica_loads(self) -> list[dict]:
         return await self.transport.replica_loads()
 
+    async def manage_lora(self, name: str, path: str | None) -> int:
+        return await self.transport.manage_lora(name, path)
+
     async def abort(self, request_id: str) -> bool:
         return await self.transport.abort(request_id)

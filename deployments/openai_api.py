@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI), served by the ingress.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with
-``stream: true``), GET /v1/models, GET /v1/models/{id}, plus GET /health (an engine is
-ready) and GET /load (per-replica load). A request with the header ``x-slotserve-audit: true``
+``stream: true``), GET /v1/models, GET /v1/models/{id}, vLLM's POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter, plus GET /health (an engine is ready) and GET /load (per-replica load).
+A request with the header ``x-slotserve-audit: true``
 gets its scheduling audit trail in ``usage.audit`` (docs/OBSERVABILITY.md). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` and status codes: 400 bad request,
 401 bad API key, 404 unknown model, 413 body too large, 429 engine queue full,
@@ -13,21 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
 from deployments.frontend import Frontend
-from deployments.openai_protocol import ParsedBody, parse_chat_body, parse_completion_body
+from deployments.openai_protocol import LoRAAdapterRequest, ParsedBody, parse_chat_body, parse_completion_body
 from deployments.openai_responses import ResponseBuilder
 from deployments.openai_schema import install_openapi
 from deployments.tracing import trace_headers
 
+logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 AUDIT_HEADER = "x-slotserve-audit"
 
@@ -107,28 +110,54 @@ class OpenAIRoutes:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
 
-    def _model_card(self) -> dict:
+    async def _model_cards(self) -> list[dict]:
+        """The base model, then each LoRA adapter with the base as its ``parent`` (as vLLM lists them)."""
         info = self.frontend.known_engine_info or {}
-        card = {"id": self.frontend.config.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "slotserve", "root": self.frontend.config.model}
+        config = self.frontend.config
+        base = {"id": config.served_model_name, "object": "model", "created": self.created, "owned_by": "slotserve",
+                "root": config.model, "parent": None}
         if "max_model_len" in info:
-            card["max_model_len"] = info["max_model_len"]
-        return card
+            base["max_model_len"] = info["max_model_len"]
+        adapters = await self.frontend.adapters.served()
+        return [base, *({**base, "id": name, "root": path or name, "parent": config.served_model_name}
+                         for name, path in adapters.items())]
 
     async def list_models(self, request: Request) -> Response:
         try:
             self.frontend.authorize(request.headers.get("authorization"))
-            return JSONResponse({"object": "list", "data": [self._model_card()]})
+            return JSONResponse({"object": "list", "data": await self._model_cards()})
         except Exception as exc:
             return error_response(exc)
 
     async def get_model(self, model_id: str, request: Request) -> Response:
         try:
             self.frontend.authorize(request.headers.get("authorization"))
-            if model_id != self.frontend.config.served_model_name:
+            cards = {card["id"]: card for card in await self._model_cards()}
+            if model_id not in cards:
                 raise ModelNotFound(f"model {model_id!r} is not served here; this server serves "
-                                    f"{self.frontend.config.served_model_name!r}", param="model")
-            return JSONResponse(self._model_card())
+                                    f"{', '.join(map(repr, cards))}", param="model")
+            return JSONResponse(cards[model_id])
+        except Exception as exc:
+            return error_response(exc)
+
+    async def manage_lora(self, request: Request) -> Response:
+        """vLLM's ``/v1/load_lora_adapter`` ({lora_name, lora_path}) and ``/v1/unload_lora_adapter``
+        ({lora_name}), behind the API key: on every engine replica."""
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+            body = LoRAAdapterRequest.parse(await _read_json(request, self.max_body_bytes))
+            config = self.frontend.config
+            if request.url.path.endswith("/load_lora_adapter"):
+                if body.lora_path is None:
+                    raise BadRequest("lora_path is required", param="lora_path")
+                count = await self.frontend.adapters.load(body.lora_name, body.lora_path,
+                                                          (config.served_model_name, config.model))
+                done = "added"
+            else:
+                count = await self.frontend.adapters.unload(body.lora_name)
+                done = "removed"
+            logger.info("LoRA adapter %r %s on %d engine replicas", body.lora_name, done, count)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' {done} successfully.")
         except Exception as exc:
             return error_response(exc)
 
@@ -268,7 +297,10 @@ def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/load_lora_adapter", routes.manage_lora, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", routes.manage_lora, methods=["POST"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/load", routes.load, methods=["GET"])
-    install_openapi(app, tuple(dict.fromkeys((frontend.config.served_model_name, frontend.config.model))))
+    install_openapi(app, tuple(dict.fromkeys((frontend.config.served_model_name, frontend.config.model,
+                                              *frontend.config.lora_adapters))))
     return app

@@ -255,7 +255,7 @@ class ParsedBody:
     """Completions: the prompt comes back before each choice's text (and logprobs)."""
 
 
-def _validate(model: type[_Request], body: Any) -> _Request:
+def _validate(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
     unknown = [k for k in body if k not in model.model_fields]
@@ -265,6 +265,20 @@ def _validate(model: type[_Request], body: Any) -> _Request:
         return model.model_validate(body)
     except ValidationError as exc:
         raise bad_request(field_errors(exc, model)) from None
+
+
+class LoRAAdapterRequest(BaseModel):
+    """vLLM's body of ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: Str = Field(min_length=1, max_length=128)
+    lora_path: Str | None = Field(None, min_length=1, max_length=4096)
+    load_inplace: Literal[False] = False
+    """vLLM's in-place reload is not served: unload, then load."""
+
+    @classmethod
+    def parse(cls, body: Any) -> "LoRAAdapterRequest":
+        return _validate(cls, body)
 
 
 def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBody:

@@ -22,7 +22,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, TypeAdapter
 
-from deployments.openai_protocol import REFUSED, ChatRequest, CompletionRequest, ResponseFormat, StreamOptions
+from deployments.openai_protocol import (REFUSED, ChatRequest, CompletionRequest, LoRAAdapterRequest, ResponseFormat,
+                                         StreamOptions)
 from deployments.requests import PRIORITY_RANGE, Messages
 from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolDef
 from engine.sampling import MAX_LOGPROBS, SamplingParams
@@ -153,6 +154,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
+    parent: str | None = None
+    """The base model of a LoRA adapter; None for the base model itself."""
     max_model_len: int | None = None
 
 
@@ -271,7 +274,7 @@ def _components(models: tuple[str, ...]) -> dict[str, dict]:
         out[name] = schema
 
     for body in (Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, ErrorBody, Health,
-                 StreamOptions, ResponseFormat, ToolDef, NamedToolChoice):
+                 StreamOptions, ResponseFormat, ToolDef, NamedToolChoice, LoRAAdapterRequest):
         add(body.__name__, body.model_json_schema(ref_template=REF))
     out.update(TypeAdapter(SamplingParams).json_schema(ref_template=REF).get("$defs", {}))
     add("Messages", TypeAdapter(Messages).json_schema(ref_template=REF))
@@ -331,6 +334,14 @@ def install_openapi(app: FastAPI, models: tuple[str, ...]) -> None:
             paths["/v1/models/{model_id}"]["get"]["responses"] = {"200": _json("ModelCard", "the model"),
                                                                   **_errors(401, 404)}
             paths["/health"]["get"]["responses"] = {"200": _json("Health", "an engine is ready"), **_errors(503)}
+            for path, done in (("/v1/load_lora_adapter", "loaded on every engine replica"),
+                               ("/v1/unload_lora_adapter", "unloaded from every engine replica")):
+                paths[path]["post"].update({
+                    "requestBody": {"required": True, "content": {"application/json": {
+                        "schema": {"$ref": REF.format(model="LoRAAdapterRequest")}}}},
+                    "responses": {"200": {"description": done,
+                                          "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                  **_errors(400, 401, 404, 413, 503)}})
             app.openapi_schema = doc
         return app.openapi_schema
 

@@ -132,10 +132,13 @@ class EngineReplica:
             raise EngineDeadError("this replica is shutting down and takes no new requests")
         received_ns = time.time_ns()
         rid = request["request_id"]
+        if request.get("lora_path") is not None and request["lora"] not in self._engine.stats().lora_paths:
+            # Loaded at run time on other replicas (deployments.frontend.Frontend.load_lora): read it here too.
+            await self._engine.load_lora(request["lora"], request["lora_path"])
         stream = self._engine.generate(request["prompt_token_ids"], request["params"], request_id=rid,
                                        priority=request.get("priority", 0),
                                        resume_token_ids=request.get("resume_token_ids", ()),
-                                       resume_choices=request.get("resume_choices"))
+                                       resume_choices=request.get("resume_choices"), lora=request.get("lora"))
         self._active.add(rid)
         self._start_metrics_loop()
         request_metrics = self._metrics.request()
@@ -247,10 +250,22 @@ class EngineReplica:
                 "healthy": self.healthy(), "updated_at": time.time(),
                 **({"link": self._link.address, "link_requests": self._link.requests}
                    if self._link_started is not None else {}),
+                **({"lora_loaded": list(s.lora_loaded), "lora_roots": s.lora_roots, "lora_paths": s.lora_paths}
+                   if s.max_loras else {}),
                 # not read by the router; reported by GetLoad
                 "replica_id": self.replica_id, "kv_usage": s.kv_usage, "slot_occupancy": s.slot_occupancy,
                 "num_finished": s.num_finished, "prefix_cache_hits": s.prefix_cache_hits,
                 "prefix_cache_queries": s.prefix_cache_queries}
+
+    async def manage_lora(self, request: dict) -> dict:
+        """Load LoRA adapter ``lora_name`` from ``lora_path``, or unload it when the path is None (a
+        handle call pinned to this replica by ``replica_id``)."""
+        name, path = request["lora_name"], request.get("lora_path")
+        if path is None:
+            await self._engine.unload_lora(name)
+            return {"lora_name": name}
+        info = await self._engine.load_lora(name, path)
+        return {"lora_name": name, "rank": info.rank}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         # Every value must be a number: anything else silently disables custom metrics.

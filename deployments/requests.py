@@ -101,6 +101,10 @@ class PreparedRequest:
     """The client's own id, if it sent one: logged and echoed back, never a key."""
     operation: str = "text_completion"
     """GenAI operation name for traces: ``chat`` (messages) or ``text_completion``."""
+    lora: str | None = None
+    """The LoRA adapter the client named as its ``model``; None: the base model."""
+    lora_path: str | None = None
+    """Its directory, when it was loaded at run time (a replica lacking it loads it from there)."""
 
     def engine_request(self, resume_token_ids: Sequence[int] = (), attempt: int = 0,
                        resume_choices: Mapping[int, Sequence[int]] | None = None) -> dict:
@@ -122,6 +126,10 @@ class PreparedRequest:
             request["resume_token_ids"] = list(resume_token_ids)
         if resume_choices is not None:
             request["resume_choices"] = {int(i): list(ids) for i, ids in resume_choices.items()}
+        if self.lora is not None:
+            request["lora"] = self.lora
+            if self.lora_path is not None:
+                request["lora_path"] = self.lora_path
         if attempt:
             request["attempt"] = attempt
         return request

@@ -138,18 +138,21 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        resume_token_ids: Sequence[int] = (),
-                       resume_choices: Mapping[int, Sequence[int]] | None = None) -> AsyncIterator[StreamOutput]:
+                       resume_choices: Mapping[int, Sequence[int]] | None = None,
+                       lora: str | None = None) -> AsyncIterator[StreamOutput]:
         """Submit a request and stream its outputs (each choice's, with ``n`` > 1); closing the stream
         aborts the request.
 
-        ``resume_token_ids``, ``resume_choices``: see ``LLMEngine.add_request``."""
+        ``resume_token_ids``, ``resume_choices``, ``lora``: see ``LLMEngine.add_request``."""
         self.check_health()
         params = params or SamplingParams()
         prompt = self.engine.check_request(prompt_token_ids, params, priority)
+        if lora is not None:
+            self.engine.adapter(lora)  # an unknown name fails here, before anything is queued
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
         self._register(request_id, stream, ("add", request_id, prompt, params, priority, time.monotonic(),
-                                                tuple(resume_token_ids), resume_choices))
+                                                tuple(resume_token_ids), resume_choices, lora))
         finished = False
         try:
             while not finished:
@@ -182,6 +185,22 @@ class AsyncEngine:
         """Abort a request, or only its choice ``index``."""
         self._inbox.append(("abort", request_id, index))
         self._wake.set()
+
+    async def load_lora(self, name: str, path: str):
+        """``LLMEngine.load_lora`` between two steps (it reads the adapter on the loop thread)."""
+        return await self._between_steps(lambda engine: engine.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self._between_steps(lambda engine: engine.unload_lora(name))
+
+    async def _between_steps(self, fn):
+        """``fn(engine)``'s result, run on the loop thread where nothing else touches the engine."""
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.append(("call", fn, loop, done))
+        self._wake.set()
+        return await done
 
     # ------------------------------------------------------------------ loop thread
     def _build(self, config: EngineConfig, launcher, built: threading.Event, failed: list) -> bool:
@@ -223,10 +242,19 @@ class AsyncEngine:
             if item[0] == "abort":
                 self.engine.abort(item[1], item[2])
                 continue
-            _, rid, prompt, params, priority, arrival, resume, choices = item
+            if item[0] == "call":
+                _, fn, loop, done = item
+                try:
+                    result = fn(self.engine)
+                except Exception as exc:  # noqa: BLE001 - the caller's error, raised in its own loop
+                    _call_soon(loop, lambda e=exc: done.done() or done.set_exception(e))
+                else:
+                    _call_soon(loop, lambda r=result: done.done() or done.set_result(r))
+                continue
+            _, rid, prompt, params, priority, arrival, resume, choices, lora = item
             try:
                 self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival, resume_token_ids=resume,
-                                        resume_choices=choices)
+                                        resume_choices=choices, lora=lora)
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 stream = self._streams.get(rid)
                 if stream is not None:

@@ -12,17 +12,17 @@ import itertools
 import json
 import logging
 import random
-import re
 import time
 import uuid
 import weakref
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from engine.config import ADAPTER_NAME, EngineConfig
-from engine.errors import AdapterLoadError, EngineOverloadedError, InvalidRequestError, UnknownAdapterError
+from engine.config import EngineConfig
+from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.kv.block_manager import BlockManager
-from engine.lora import AdapterInfo, LoRAManager
+from engine.lora import LoRAManager
+from engine.lora.engine_api import EngineAdapters
 from engine.model import ModelArch
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
 from engine.request import Request
@@ -56,7 +56,7 @@ def _grammar_step(req: Request, tok: int) -> str | None:
     return FINISH_STOP if req.matcher.is_stopped() else None
 
 
-class LLMEngine:
+class LLMEngine(EngineAdapters):
     def __init__(self, config: EngineConfig, launcher=None) -> None:
         """``launcher``: how tensor-parallel rank workers start (engine.tp.launcher.RankLauncher;
         default: local processes). Unused at tensor_parallel_size 1."""
@@ -89,6 +89,7 @@ class LLMEngine:
         self.requests: dict[str, list[Request]] = {}
         """Each request's unfinished choices (one unless ``n`` > 1), by request id."""
         self._num_held = 0  # siblings waiting for their lead's prefill (engine.request.Request.held)
+        self._lora_version = -1  # the adapter set stats.lora_roots describes
         self._seq = itertools.count()
         self._rng = random.Random(config.model.seed)
         self._pending: list[StreamOutput] = []
@@ -237,38 +238,6 @@ class LLMEngine:
                                       f"within {self.max_total_tokens} tokens")
         return resumed
 
-    # ------------------------------------------------------------------ LoRA adapters
-    def adapter(self, name: str) -> AdapterInfo:
-        """A served adapter by name; UnknownAdapterError names the ones there are."""
-        if self.lora is None:
-            raise UnknownAdapterError(f"adapter {name!r} is not loaded; this engine serves no LoRA adapters "
-                                      "(configure lora)")
-        return self.lora.info(name)
-
-    def load_lora(self, name: str, path: str | Path) -> AdapterInfo:
-        """Serve the PEFT adapter at ``path`` as ``name`` (replacing an idle one of that name)."""
-        if self.lora is None:
-            raise AdapterLoadError("this engine was built without LoRA (configure lora to load adapters)")
-        if re.fullmatch(ADAPTER_NAME, name or "") is None:
-            raise AdapterLoadError(f"adapter name {name!r} must match {ADAPTER_NAME}")
-        self._check_idle(name)
-        return self.lora.register(name, path)
-
-    def unload_lora(self, name: str) -> None:
-        self.adapter(name)
-        self._check_idle(name)
-        self.lora.unregister(name)
-
-    def _check_idle(self, name: str) -> None:
-        users = sum(r.lora_name == name for choices in self.requests.values() for r in choices)
-        if users:
-            raise AdapterLoadError(f"adapter {name!r} has {users} unfinished requests; retry once they end")
-
-    def _activate_lora(self, slot: int, info: AdapterInfo) -> None:
-        if self.tp is not None:
-            self.tp.send_lora(slot, info)
-        self.runner.lora.activate(slot, info)
-
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Drop a request (or one of its choices); its slots and blocks are free before the next step."""
         choices = self.requests.get(request_id)
@@ -408,6 +377,8 @@ class LLMEngine:
         s.prefix_cache_queries = self.block_manager.prefix_queries
         s.prefix_cache_hits = self.block_manager.prefix_hits
         s.num_preemptions = self.scheduler.num_preemptions
+        if self.lora is not None:
+            self._lora_stats(s)
         s.last_step_time = time.monotonic()
 
     def stats(self) -> EngineStats:

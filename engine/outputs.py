@@ -133,6 +133,21 @@ class EngineStats:
     """The KV pool it allocated: with the weights, the memory budget it planned for."""
     step_time_s: dict = field(default_factory=dict)
     """Cumulative seconds per step phase (schedule, prepare, forward, sample, output) when profiling."""
+    lora_loaded: tuple = ()
+    """LoRA adapters in device slots, by name: what adapter-affine routing looks for."""
+    lora_running: dict = field(default_factory=dict)
+    """Adapter -> running requests (choices) using it."""
+    lora_waiting: dict = field(default_factory=dict)
+    """Adapter -> requests (choices) waiting for a slot."""
+    lora_roots: dict = field(default_factory=dict)
+    """Adapter -> its prefix-cache root digest (``AdapterInfo.root_hash``), for the router's prefix keys."""
+    lora_paths: dict = field(default_factory=dict)
+    """Adapter -> its directory: where a replica that lacks it loads it from."""
+    max_loras: int = 0
+    lora_loads: int = 0
+    """Adapters put in a device slot (from host memory or disk)."""
+    lora_evictions: int = 0
+    """Idle adapters taken out of a slot to make room for another."""
 
     @property
     def free_slots(self) -> int:

@@ -218,6 +218,15 @@ class Scheduler:
             heapq.heappop(self.waiting)
 
     def _admit(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput) -> int:
+        passed_over: list[Request] = []  # their adapter has no slot this step; they keep their place
+        try:
+            return self._admit_waiting(budget, scheduled, out, passed_over)
+        finally:
+            for req in passed_over:
+                heapq.heappush(self.waiting, (req.priority, req.seq_no, req))
+
+    def _admit_waiting(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput,
+                       passed_over: list[Request]) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_candidate()
             if req is None:
@@ -238,10 +247,13 @@ class Scheduler:
             if not self.blocks.can_allocate(need, reusing=cached):
                 break  # head-of-line: keep FCFS order within a priority
             if req.lora_name is not None:
-                req.lora_slot = self.lora.acquire(req.lora_name)
-                if req.lora_slot is None:  # every slot is held by running requests of other adapters
-                    req.lora_slot = -1
-                    break
+                slot = self.lora.acquire(req.lora_name)
+                if slot is None:  # every slot is held by running requests of other adapters
+                    if self.static:
+                        break
+                    passed_over.append(heapq.heappop(self.waiting)[2])  # others may still run
+                    continue
+                req.lora_slot = slot
             self._pop_candidate()
             first_time = req.status is RequestStatus.WAITING
             if first_time:

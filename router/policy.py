@@ -10,6 +10,8 @@ Each replica publishes routing stats (``record_routing_stats``), a dict of:
     kv_blocks_used, kv_blocks_total, block_size,      ints >= 0 (block_size >= 1)
     prefix_hashes: list[int]                          routing keys of recently cached full blocks
     healthy: bool, updated_at: float                  time.time() at the replica
+    lora_loaded: list[str]                            optional: LoRA adapters in its device slots
+    lora_roots: dict[str, str]                        optional: adapter -> prefix-cache root (hex)
 
 Stats that are missing, malformed or older than ``stale_after_s`` make a replica
 "unknown": the router knows nothing about its load and falls back to random choice.
@@ -26,7 +28,7 @@ DEFAULT_LOAD_SLACK = 0.25
 DEFAULT_DIGEST_ENTRIES = 512
 ROUTING_DECISIONS_METRIC = "slotserve_routing_decisions"
 """Counter recorded by ``router.request_router``, label ``reason``: one of ``ROUTING_REASONS``."""
-ROUTING_REASONS = ("prefix", "load", "fallback")
+ROUTING_REASONS = ("prefix", "lora", "load", "fallback")
 ROUTING_NOTE = "routing"
 """Key the router adds to a generate call's request dict: ``{"reason", "time_ns"}`` of its decision
 (``time.time_ns()``), which the chosen replica turns into the trace's routing span."""
@@ -60,6 +62,10 @@ class ReplicaLoad:
     prefix_hashes: frozenset = field(default=frozenset(), repr=False)
     healthy: bool = True
     updated_at: float = 0.0
+    lora_loaded: frozenset = frozenset()
+    """LoRA adapters in the replica's device slots: a request for one runs without loading it."""
+    lora_roots: Mapping[str, str] = field(default_factory=dict, repr=False)
+    """Adapter -> the root of its prefix-cache hash chain (hex): an adapter request's prefix keys."""
 
     @classmethod
     def from_stats(cls, replica_id: Hashable, stats: Mapping[str, Any] | None) -> ReplicaLoad:
@@ -83,8 +89,13 @@ class ReplicaLoad:
         if not isinstance(hashes, (list, tuple, set, frozenset)):
             return cls(replica_id, problem=f"prefix_hashes must be a list of ints, got {type(hashes).__name__}")
         healthy = stats.get("healthy", True)
+        loaded, roots = stats.get("lora_loaded") or (), stats.get("lora_roots") or {}
+        if not isinstance(loaded, (list, tuple)) or not all(isinstance(n, str) for n in loaded):
+            return cls(replica_id, problem=f"lora_loaded must be a list of adapter names, got {loaded!r:.80}")
+        if not isinstance(roots, Mapping) or not all(isinstance(v, str) for v in roots.values()):
+            return cls(replica_id, problem=f"lora_roots must map adapter names to hex digests, got {roots!r:.80}")
         return cls(replica_id, known=True, prefix_hashes=frozenset(hashes), healthy=healthy is True,
-                   updated_at=float(updated_at), **values)
+                   updated_at=float(updated_at), lora_loaded=frozenset(loaded), lora_roots=roots, **values)
 
     @property
     def kv_blocks_free(self) -> int:
@@ -151,6 +162,7 @@ def rank_replicas(
     *,
     prompt_len: int = 0,
     load_slack: float = DEFAULT_LOAD_SLACK,
+    adapter: str | None = None,
 ) -> Ranking:
     """Rank replicas for one request, best first. Every candidate appears exactly once.
 
@@ -159,10 +171,12 @@ def rank_replicas(
     1. Fresh, healthy replicas **with room** (a free slot and KV blocks for the uncached
        part of the prompt), one per rank. Among them, the *comparable* ones are those whose
        ``load`` is within ``load_slack`` of the least loaded one (0.25: a quarter of the
-       slots). Comparable replicas are ordered by longest cached prefix of the request
-       (contiguous leading blocks), then lower load, then at random; so a prefix hit of one
-       block beats a replica with slightly more free slots. The rest follow by load, then
-       prefix, then at random: a cache hit never sends work to a much busier replica.
+       slots). Comparable replicas are ordered by whether they hold the request's LoRA
+       ``adapter`` in a slot, then by longest cached prefix of the request (contiguous
+       leading blocks), then lower load, then at random; so a loaded adapter or a prefix hit
+       of one block beats a replica with slightly more free slots. The rest follow by load,
+       then adapter, then prefix, then at random: affinity never sends work to a much busier
+       replica, so a hot adapter spreads to more replicas as its load grows.
     2. Replicas with **missing or stale** stats (older than ``stale_after_s``): power of
        two choices; two of them drawn at random share one rank (Serve takes the one with
        the shorter queue), the others follow in one rank.
@@ -173,7 +187,7 @@ def rank_replicas(
     Ties are broken with ``rng`` (one draw per candidate, in candidate order), so a
     seeded ``rng`` gives a reproducible ranking.
     """
-    room: list[tuple[float, int, float, Hashable]] = []  # (load, matched blocks, tie, id)
+    room: list[tuple[float, tuple[bool, int], float, Hashable]] = []  # (load, (adapter, blocks), tie, id)
     full: list[tuple[float, float, Hashable]] = []
     unknown: list[Hashable] = []
     sick: list[Hashable] = []
@@ -186,7 +200,7 @@ def rank_replicas(
         else:
             matched = c.prefix_match(request_hashes)
             if c.has_room(prompt_len, matched):
-                room.append((c.load, matched, tie, c.replica_id))
+                room.append((c.load, (adapter is not None and adapter in c.lora_loaded, matched), tie, c.replica_id))
             else:
                 full.append((c.load, tie, c.replica_id))
 
@@ -194,7 +208,8 @@ def rank_replicas(
     reason = "fallback"
     if ranks:
         first = ranks[0][0]
-        reason = "prefix" if next(m for _, m, _, rid in room if rid == first) > 0 else "load"
+        has_adapter, blocks = next(m for _, m, _, rid in room if rid == first)
+        reason = "prefix" if blocks > 0 else "lora" if has_adapter else "load"
     ranks += _power_of_two(unknown, rng)
     ranks += [[rid] for _, _, rid in sorted(full, key=lambda x: x[:2])]
     if sick:
@@ -202,12 +217,13 @@ def rank_replicas(
     return Ranking(ranks=ranks, saturated=not room and not unknown, reason=reason)
 
 
-def _order_with_room(room: list[tuple[float, int, float, Hashable]], load_slack: float) -> list[Hashable]:
+def _order_with_room(room: list[tuple[float, tuple[bool, int], float, Hashable]], load_slack: float
+                     ) -> list[Hashable]:
     if not room:
         return []
     ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9
-    comparable = sorted((x for x in room if x[0] <= ceiling), key=lambda x: (-x[1], x[0], x[2]))
-    busier = sorted((x for x in room if x[0] > ceiling), key=lambda x: (x[0], -x[1], x[2]))
+    comparable = sorted((x for x in room if x[0] <= ceiling), key=lambda x: (-x[1][0], -x[1][1], x[0], x[2]))
+    busier = sorted((x for x in room if x[0] > ceiling), key=lambda x: (x[0], -x[1][0], -x[1][1], x[2]))
     return [x[3] for x in comparable + busier]
 
 

@@ -19,7 +19,7 @@ from ray.serve import metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from engine.kv.hashing import prefix_routing_keys
+from engine.kv.hashing import ROOT_HASH, prefix_routing_keys
 from router import inflight
 from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ROUTING_REASONS, Ranking, ReplicaLoad, RouterSettings,
                            rank_replicas)
@@ -159,15 +159,18 @@ class SlotAwareRequestRouter(RequestRouter):
         loads = {r.replica_id: self._load_of(r) for r in candidates}
         ids = request.get("prompt_token_ids") if request is not None else None
         prompt = ids if isinstance(ids, (list, tuple)) else []
+        adapter = request.get("lora") if request is not None else None
+        adapter = adapter if isinstance(adapter, str) else None
         hashes: list[int] = []
         if prompt and self._settings.max_prefix_blocks:
             try:
                 hashes = prefix_routing_keys(prompt, _block_size(list(loads.values()), self._settings.block_size),
-                                             max_blocks=self._settings.max_prefix_blocks)
+                                             max_blocks=self._settings.max_prefix_blocks,
+                                             root=_adapter_root(list(loads.values()), adapter))
             except ValueError:  # ids no engine accepts: route on load, the replica rejects the request
                 pass
         ranking = rank_replicas(list(loads.values()), hashes, time.time(), self._rng, self._settings.stale_after_s,
-                                prompt_len=len(prompt), load_slack=self._settings.load_slack)
+                                prompt_len=len(prompt), load_slack=self._settings.load_slack, adapter=adapter)
         if prompt:  # a generate call (not stats / model_info)
             self._record_decision(ranking.reason)
             _note(request, ranking.reason)
@@ -289,3 +292,16 @@ def _block_size(loads: list[ReplicaLoad], fallback: int) -> int:
         if load.known:
             counts[load.block_size] = counts.get(load.block_size, 0) + 1
     return max(counts, key=counts.__getitem__) if counts else fallback
+
+
+def _adapter_root(loads: list[ReplicaLoad], adapter: str | None) -> bytes:
+    """The first parent of ``adapter``'s prefix-cache chain, as a replica serving it reports it (the
+    same on every replica: a digest of the adapter's weights); the base model's without one."""
+    for load in loads:
+        root = load.lora_roots.get(adapter) if adapter is not None else None
+        if root is not None:
+            try:
+                return bytes.fromhex(root)
+            except ValueError:
+                continue
+    return ROOT_HASH

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, UnknownAdapterError
 from engine.kv.hashing import prefix_routing_keys
 from engine.outputs import EngineStats, RequestTiming, StreamOutput
 from engine.sampling import SamplingParams
@@ -67,7 +67,10 @@ class FakeAsyncEngine:
     # -- the AsyncEngine interface ---------------------------------------------------
 
     async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, resume_token_ids=(), resume_choices=None) -> AsyncIterator[StreamOutput]:
+                       priority: int = 0, resume_token_ids=(), resume_choices=None,
+                       lora: str | None = None) -> AsyncIterator[StreamOutput]:
+        if lora is not None:
+            raise UnknownAdapterError(f"adapter {lora!r} is not loaded; this engine serves no LoRA adapters")
         rid = request_id or uuid.uuid4().hex
         plan = dict(resume_choices) if resume_choices is not None else {i: [] for i in range(params.n)}
         if resume_token_ids:

@@ -20,12 +20,15 @@ LONG = 100
 
 
 @contextlib.asynccontextmanager
-async def real_frontend(model_dir, tokenizer, tracing=None, **engine_options):
-    """(frontend, replica) over one real engine; the engine is shut down on exit."""
+async def real_frontend(model_dir, tokenizer, tracing=None, lora_adapters=None, **engine_options):
+    """(frontend, replica) over one real engine; the engine is shut down on exit. ``lora_adapters``:
+    the adapter names the frontend serves (default: those of the engine option ``lora``)."""
     replica = EngineReplica(str(model_dir), {**ENGINE, **engine_options}, drain_timeout_s=5, model_name="tiny",
                             tracing=tracing)
-    frontend = Frontend(FrontendConfig(served_model_name="tiny", model=str(model_dir)), tokenizer,
-                        LocalEngineClient([replica]), tracing=tracing)
+    if lora_adapters is None:
+        lora_adapters = tuple((engine_options.get("lora") or {}).get("adapters", {}))
+    frontend = Frontend(FrontendConfig(served_model_name="tiny", model=str(model_dir), lora_adapters=lora_adapters),
+                        tokenizer, LocalEngineClient([replica]), tracing=tracing)
     try:
         yield frontend, replica
     finally:

@@ -76,7 +76,8 @@ KNOBS = {
     "mixed": dict(lora_opts=dict(max_loras=4), num_kv_blocks=256),
     # 10 blocks x 8 tokens for 16 requests of up to 46 tokens: preemption is certain.
     "preemption": dict(lora_opts=dict(max_loras=3), num_kv_blocks=10),
-    # One slot, one adapter in host memory: adapters take turns, each evicted and read again.
+    # One slot, one adapter in host memory: adapters take turns (requests of the loaded one run,
+    # the others wait their turn), and a second run reads each one from disk again.
     "one-slot": dict(lora_opts=dict(max_loras=1, max_cpu_loras=1), num_kv_blocks=256),
 }
 
@@ -95,7 +96,9 @@ def test_mixed_batch_equals_hf_peft(base, adapters, expected, knob):
     if knob == "preemption":
         assert stats.num_preemptions > 0
     if knob == "one-slot":
-        assert lora.num_evictions >= len(ADAPTERS) - 1 and lora.num_loads > len(ADAPTERS)
+        assert (lora.num_loads, lora.num_evictions) == (3, 2)  # one turn each, not one per request
+        assert _run(llm) == _want(expected)
+        assert (lora.num_loads, lora.num_evictions) == (6, 5) and len(llm.engine.runner.lora._host) == 1
     assert llm.engine.block_manager.num_used == 0 or llm.engine.config.cache.enable_prefix_caching
     assert not lora.running  # every slot given back
 
@@ -252,3 +255,42 @@ def test_default_model_with_an_adapter_equals_hf_peft(default_model_dir, tmp_pat
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     outs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, lora=[None, "smol"])
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_stats_say_which_adapters_run_wait_and_sit_in_slots(base, adapters):
+    llm = _llm(base, adapters, dict(max_loras=1), num_kv_blocks=64)
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], GREEDY, lora="all-r4")
+    engine.add_request(PROMPTS[1], GREEDY, lora="qv-down-r8")  # waits: the one slot is held
+    engine.add_request(PROMPTS[2], GREEDY)
+    engine.step()
+    stats = engine.stats()
+    assert stats.lora_loaded == ("all-r4",) and stats.max_loras == 1
+    assert stats.lora_running == {"all-r4": 1} and stats.lora_waiting == {"qv-down-r8": 1}
+    assert stats.running == 2 and stats.lora_loads == 1 and stats.lora_evictions == 0
+    assert stats.lora_roots == {name: engine.adapter(name).root_hash.hex() for name in ADAPTERS}
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats.lora_loaded == ("qv-down-r8",) and stats.lora_evictions == 1 and not stats.lora_running
+
+
+def test_the_router_finds_an_adapters_cached_prefix_from_its_reported_root(base, adapters):
+    """What a replica publishes (``lora_roots``, its prefix digest) lets the router compute an adapter
+    request's prefix keys: they are the engine's own keys for that adapter's blocks, not the base's."""
+    from engine.kv.hashing import prefix_routing_keys
+    from router.request_router import _adapter_root
+    from router.policy import ReplicaLoad
+
+    llm = _llm(base, adapters, dict(max_loras=2), num_kv_blocks=64)
+    prompt = list(range(5, 40))
+    llm.generate({"prompt_token_ids": prompt}, GREEDY, lora="all-r4")
+    stats = llm.engine.stats()
+    load = ReplicaLoad.from_stats("r", {"free_slots": 8, "running": 0, "waiting": 0, "max_num_seqs": 8,
+                                        "kv_blocks_used": 0, "kv_blocks_total": 64, "block_size": 8,
+                                        "updated_at": 0.0, "lora_loaded": list(stats.lora_loaded),
+                                        "lora_roots": stats.lora_roots})
+    digest = set(llm.engine.prefix_digest())
+    keys = prefix_routing_keys(prompt, 8, root=_adapter_root([load], "all-r4"))
+    assert len(keys) == 4 and set(keys) <= digest
+    assert not set(prefix_routing_keys(prompt, 8, root=_adapter_root([load], None))) & digest

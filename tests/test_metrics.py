@@ -87,6 +87,23 @@ def test_stats_become_gauges_and_counter_deltas():
     assert rec.values("generation_tokens") == [100, 30, 3]
 
 
+def test_lora_stats_become_per_adapter_gauges_and_vllms_info_series():
+    rec = FakeRecorder()
+    m = EngineMetrics(rec)
+    m.record_stats(EngineStats(max_num_seqs=4), [])  # no LoRA: no LoRA series but the counters' zeros
+    assert not [c for c in rec.calls if c[0].startswith("lora_requests")]
+    assert ("lora_loads", {}) in rec.zeros and ("lora_evictions", {}) in rec.zeros
+    m.record_stats(EngineStats(max_num_seqs=4, max_loras=2, lora_running={"sql": 2}, lora_waiting={"chat": 1, "b": 3},
+                               lora_loads=1), [])
+    (info,) = [t for n, _, t in rec.calls if n == "lora_requests_info"]
+    assert info == {"max_lora": "2", "running_lora_adapters": "sql", "waiting_lora_adapters": "b,chat"}
+    assert rec.values("lora_requests_running", lora_name="sql") == [2]
+    assert rec.values("lora_requests_waiting", lora_name="chat") == [1] and rec.values("lora_loads") == [1]
+    m.record_stats(EngineStats(max_num_seqs=4, max_loras=2, lora_loads=3, lora_evictions=1), [])
+    assert rec.values("lora_requests_running", lora_name="sql") == [2, 0]  # back to 0 once idle
+    assert rec.values("lora_loads") == [1, 2] and rec.values("lora_evictions") == [1]
+
+
 def test_request_latencies_come_from_the_engine_timing():
     rec = FakeRecorder()
     timing = RequestTiming(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=14.0)

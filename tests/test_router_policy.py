@@ -233,3 +233,37 @@ def test_make_prefix_digest_rejects_bad_input(hashes, n, field):
 def test_router_settings_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RouterSettings.from_kwargs(kwargs)
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+def lora_load(rid, loaded=(), **kw) -> ReplicaLoad:
+    return ReplicaLoad.from_stats(rid, {**stats(**kw), "lora_loaded": list(loaded), "lora_roots": {}})
+
+
+def test_a_replica_holding_the_adapter_wins_among_comparable_loads():
+    cands = [lora_load("a", running=1), lora_load("b", running=2, loaded=["sql"]), lora_load("c", running=1)]
+    ranking = rank(cands, [], adapter="sql")
+    assert flat(ranking)[0] == "b" and ranking.reason == "lora"
+    assert rank(cands, []).reason == "load" and flat(rank(cands, []))[0] in ("a", "c")  # base model: load only
+    assert flat(rank(cands, [], adapter="other"))[0] in ("a", "c")
+
+
+def test_a_hot_adapter_spreads_once_its_replica_is_much_busier():
+    """Affinity holds within the load slack only: past it, a replica without the adapter loads it."""
+    cands = [lora_load("a", running=6, loaded=["sql"]), lora_load("b", running=1)]
+    assert flat(rank(cands, [], adapter="sql")) == ["b", "a"]
+
+
+def test_a_prefix_hit_counts_after_the_adapter():
+    cands = [lora_load("a", running=1, prefix=HASHES), lora_load("b", running=1, loaded=["sql"])]
+    assert flat(rank(cands, HASHES, adapter="sql"))[0] == "b"
+    both = [lora_load("a", running=1, loaded=["sql"], prefix=HASHES), lora_load("b", running=1, loaded=["sql"])]
+    ranking = rank(both, HASHES, adapter="sql")
+    assert flat(ranking)[0] == "a" and ranking.reason == "prefix"
+
+
+@pytest.mark.parametrize("field, value", [("lora_loaded", "sql"), ("lora_loaded", [1]), ("lora_roots", ["x"]),
+                                          ("lora_roots", {"sql": 5})])
+def test_malformed_adapter_stats_make_the_replica_unknown(field, value):
+    r = ReplicaLoad.from_stats("a", {**stats(), field: value})
+    assert not r.known and field in r.problem

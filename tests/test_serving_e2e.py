@@ -26,14 +26,24 @@ MAX_TOKENS = 24
 MAX_PROMPT_TOKENS = 800  # room for the tool prompt a template without tools gets (~600 tokens here)
 
 
+@pytest.fixture(scope="module")
+def lora(tiny_model_dir, tmp_path_factory):
+    """One LoRA adapter the app serves as model ``alpha``."""
+    from tests.factories import make_lora_dir
+
+    path = make_lora_dir(tiny_model_dir, tmp_path_factory.mktemp("e2e-lora") / "alpha", rank=4, scale=1.0)
+    return {"adapters": {"alpha": str(path)}, "max_loras": 1, "max_lora_rank": 4}
+
+
 @pytest.fixture(scope="module", params=["proxy", "haproxy"])
-def service(request, tiny_model_dir, tmp_path_factory):
+def service(request, tiny_model_dir, tmp_path_factory, lora):
     """Clients reach the ingress through Serve's proxy or HAProxy (deployments.ingress_env); the
     ingress reaches the engines over engine links (deployments.link), with mutual TLS behind HAProxy."""
     from deployments.ingress_env import ingress_env
     from tests.test_link_tls import link_certificates
 
-    app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
+    app = {"model": str(tiny_model_dir), "served_model_name": "tiny", "engine": {**ENGINE, "lora": lora},
+           "num_replicas": 2,
            "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
            "max_prompt_tokens": MAX_PROMPT_TOKENS, "drain_timeout_s": 2}
     if request.param == "haproxy":
@@ -70,7 +80,7 @@ def test_grpc_stream_matches_offline_llm(service, offline):
 
 def test_openai_client_matches_offline_llm(service, offline):
     client = service.openai()
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [(m.id, m.parent) for m in client.models.list().data] == [("tiny", None), ("alpha", "tiny")]
     text = offline[1][0]
     done = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
     assert done.choices[0].text == text and done.usage.completion_tokens == MAX_TOKENS
@@ -85,6 +95,19 @@ def test_openai_client_matches_offline_llm(service, offline):
     chunks = list(chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline[2][0]
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_a_lora_adapter_by_model_name_over_both_protocols(service, tiny_model_dir, lora):
+    from engine import LLM, SamplingParams
+
+    want = LLM(str(tiny_model_dir), **ENGINE, lora=lora).generate(PROMPTS[1], SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS), lora="alpha")[0].outputs[0]
+    out = service.generate(model="alpha", prompt=PROMPTS[1], sampling=pb.SamplingOptions(temperature=0,
+                                                                                         max_tokens=MAX_TOKENS))
+    assert [t for m in out for t in m.token_ids] == list(want.token_ids)
+    done = service.openai().completions.create(model="alpha", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert done.choices[0].text == want.text
+    assert list(service.stub.GetModelInfo(pb.GetModelInfoRequest()).lora_adapters) == ["alpha"]
 
 
 def test_logit_bias_over_both_protocols_matches_the_offline_llm(service, tiny_model_dir):

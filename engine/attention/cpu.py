@@ -21,6 +21,7 @@ replicas, tensor-parallel ranks) wait on the extension builder's own lock.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -83,8 +84,14 @@ def load_kernel():
     fresh = not (build / f"{name}.so").exists()
     build.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
-         extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
+    with open(build / "build.flock", "a") as held:
+        # torch's own lock is a file its builder deletes when done: one killed mid-build leaves it,
+        # and every later load would wait forever. An OS lock dies with its holder, so whoever
+        # holds this one is the only builder, and a torch lock file it finds is stale.
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+             extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
     logger.info("CPU kernel library %s in %.1f s (%s)", "built" if fresh else "loaded",
                 time.perf_counter() - t0, build)
     return torch.ops.slotserve_cpu

@@ -39,19 +39,22 @@ def routing_key(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
-    """Digests of the full blocks of ``token_ids``, in order (the partial tail is not hashed)."""
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                        root: bytes = ROOT_HASH) -> list[bytes]:
+    """Digests of the full blocks of ``token_ids``, in order (the partial tail is not hashed).
+    ``root``: the chain's first parent (a LoRA adapter's own, ``engine.lora.AdapterInfo.root_hash``)."""
     n_full = len(token_ids) // block_size
     if max_blocks is not None:
         n_full = min(n_full, max_blocks)
     hashes: list[bytes] = []
-    parent = ROOT_HASH
+    parent = root
     for i in range(n_full):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)
     return hashes
 
 
-def prefix_routing_keys(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+def prefix_routing_keys(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                        root: bytes = ROOT_HASH) -> list[int]:
     """``routing_key`` of each of ``prefix_block_hashes``: what the router looks up."""
-    return [routing_key(h) for h in prefix_block_hashes(token_ids, block_size, max_blocks)]
+    return [routing_key(h) for h in prefix_block_hashes(token_ids, block_size, max_blocks, root)]

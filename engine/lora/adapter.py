@@ -8,6 +8,7 @@ extra trained modules) is refused by name rather than ignored.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -43,7 +44,7 @@ class AdapterInfo:
     """sha256 of the weights file: an adapter replaced under the same name is another adapter to
     the prefix cache and the host cache."""
 
-    @property
+    @functools.cached_property
     def root_hash(self) -> bytes:
         """The parent of a request's first KV block: two adapters never share cached KV."""
         return hashlib.sha256(ROOT_HASH + b"lora" + self.digest).digest()

@@ -8,10 +8,11 @@ holds keeps its adapter until another adapter needs the room: least recently use
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 from typing import Callable
 
-from engine.config import LoRAConfig
+from engine.config import ADAPTER_NAME, LoRAConfig
 from engine.errors import AdapterLoadError, UnknownAdapterError
 from engine.lora.adapter import AdapterInfo, read_adapter
 from engine.model.arch import ModelArch
@@ -28,11 +29,15 @@ class LoRAManager:
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # unused slots, LRU first
         self.num_loads = 0
         self.num_evictions = 0
+        self.version = 0
+        """Bumped whenever the set of served adapters changes."""
         for name, path in config.adapters.items():
             self.register(name, path)
 
     def register(self, name: str, path: str | Path) -> AdapterInfo:
         """Serve the adapter at ``path`` as ``name``; replaces an unused adapter of that name."""
+        if not isinstance(name, str) or re.fullmatch(ADAPTER_NAME, name) is None:
+            raise AdapterLoadError(f"adapter name {name!r} must match {ADAPTER_NAME}")
         info = read_adapter(name, path, self.arch, self.config.max_lora_rank)
         slot = self.slot_of.get(name)
         if slot is not None:
@@ -40,6 +45,7 @@ class LoRAManager:
                 raise AdapterLoadError(f"adapter {name!r} is in use by {self._users[slot]} running requests")
             self._vacate(slot)
         self.adapters[name] = info
+        self.version += 1
         return info
 
     def unregister(self, name: str) -> None:
@@ -50,11 +56,13 @@ class LoRAManager:
                 raise AdapterLoadError(f"adapter {name!r} is in use by {self._users[slot]} running requests")
             self._vacate(slot)
         del self.adapters[name]
+        self.version += 1
 
     def info(self, name: str) -> AdapterInfo:
         info = self.adapters.get(name)
         if info is None:
-            raise UnknownAdapterError(f"adapter {name!r} is not loaded; loaded: {', '.join(sorted(self.adapters)) or 'none'}")
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded; loaded: {loaded}")
         return info
 
     def acquire(self, name: str) -> int | None:
