@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     arch = ModelArch.from_dir(model_dir)
     root = Path(args.out).parent / "lora-adapters"
     adapters = {f"a{i}": str(write_adapter(root / f"a{i}", arch, args.rank, i)) for i in range(max(counts))}
-    common = dict(dtype="float32", max_num_seqs=args.slots, enforce_eager=True, max_model_len=2048)
+    common = dict(dtype="float32", max_num_seqs=args.slots, enforce_eager=True, max_model_len=1024,
+                  kv_cache_memory_gb=0.5)
     base = LLM(args.model, **common)
     chat = base.tokenizer.apply_chat_template
     prompts = [chat([{"role": "user", "content": ASK.format(i=i)}]) for i in range(args.requests)]

@@ -103,6 +103,13 @@ def test_mixed_batch_equals_hf_peft(base, adapters, expected, knob):
     assert not lora.running  # every slot given back
 
 
+@pytest.mark.gpu
+def test_mixed_batch_on_cuda_equals_hf_peft(base, adapters, expected):
+    """The same masked matmuls on CUDA (eager: LoRA engines capture no graphs), float32."""
+    llm = _llm(base, adapters, dict(max_loras=3), num_kv_blocks=64, device="cuda")
+    assert _run(llm) == _want(expected)
+
+
 def test_tensor_parallel_mixed_batch_equals_hf_peft(base, adapters, expected):
     llm = _llm(base, adapters, dict(max_loras=2), num_kv_blocks=64, tensor_parallel_size=2)
     try:
@@ -294,3 +301,22 @@ def test_the_router_finds_an_adapters_cached_prefix_from_its_reported_root(base,
     keys = prefix_routing_keys(prompt, 8, root=_adapter_root([load], "all-r4"))
     assert len(keys) == 4 and set(keys) <= digest
     assert not set(prefix_routing_keys(prompt, 8, root=_adapter_root([load], None))) & digest
+
+
+def test_the_lora_benchmark_runs_and_its_adapters_are_peft_loadable(tiny_model_dir, tmp_path, capsys):
+    """``benchmarks.lora`` on the tiny model: a row per run, and the adapters it writes are what
+    ``peft`` loads (so its figures are those of real adapters)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.lora import main
+
+    out = tmp_path / "bench" / "lora.json"
+    assert main(["--model", str(tiny_model_dir), "--requests", "4", "--slots", "4", "--max-tokens", "3",
+                 "--rank", "4", "--counts", "1,2", "--rounds", "1", "--out", str(out)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| base", "| slots, no adapter", "| 1 adapter", "| 2 adapters"]
+    results = json.loads(out.read_text())["results"]
+    assert all(r[0]["tokens"] == 12 for r in results.values())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    PeftModel.from_pretrained(model, out.parent / "lora-adapters" / "a1")

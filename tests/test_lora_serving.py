@@ -173,3 +173,27 @@ def test_load_at_run_time_over_http_then_a_new_replica_reads_it_on_demand(tiny_m
     assert off.status_code == 400 and "lora_load_dir" in off.json()["error"]["message"]
     assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'gamma' removed successfully."
     assert after.status_code == 404 and "'gamma'" in after.json()["error"]["message"]
+
+
+def test_adapter_endpoints_need_the_api_key_and_a_valid_body(tokenizer):
+    import httpx2
+
+    from deployments.openai_api import build_openai_app
+    from tests.serving_helpers import make_frontend, run
+
+    frontend, _ = make_frontend(tokenizer, api_keys=("k" * 16,))
+
+    async def main():
+        app = build_openai_app(frontend)
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://t") as http:
+            return [await http.post(path, json=body, headers=headers) for path, body, headers in (
+                ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "a"}, {}),
+                ("/v1/unload_lora_adapter", {"lora_name": "a"}, {"authorization": "Bearer wrong-key-000"}),
+                ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "a", "load_inplace": True},
+                 {"authorization": "Bearer " + "k" * 16}),
+                ("/v1/unload_lora_adapter", {"lora_name": "a", "extra": 1}, {"authorization": "Bearer " + "k" * 16}),
+                ("/v1/unload_lora_adapter", {"lora_name": "a"}, {"authorization": "Bearer " + "k" * 16}))]
+
+    answers = run(main())
+    assert [a.status_code for a in answers] == [401, 401, 400, 400, 404]
+    assert [a.json()["error"]["param"] for a in answers[2:]] == ["load_inplace", "extra", "lora_name"]

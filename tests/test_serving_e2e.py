@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+from tests.factories import make_lora_dir
 from tests.ray_cluster import Service, served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -27,10 +28,7 @@ MAX_PROMPT_TOKENS = 800  # room for the tool prompt a template without tools get
 
 
 @pytest.fixture(scope="module")
-def lora(tiny_model_dir, tmp_path_factory):
-    """One LoRA adapter the app serves as model ``alpha``."""
-    from tests.factories import make_lora_dir
-
+def lora(tiny_model_dir, tmp_path_factory):  # one LoRA adapter, served as model "alpha"
     path = make_lora_dir(tiny_model_dir, tmp_path_factory.mktemp("e2e-lora") / "alpha", rank=4, scale=1.0)
     return {"adapters": {"alpha": str(path)}, "max_loras": 1, "max_lora_rank": 4}
 
@@ -100,8 +98,8 @@ def test_openai_client_matches_offline_llm(service, offline):
 def test_a_lora_adapter_by_model_name_over_both_protocols(service, tiny_model_dir, lora):
     from engine import LLM, SamplingParams
 
-    want = LLM(str(tiny_model_dir), **ENGINE, lora=lora).generate(PROMPTS[1], SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS), lora="alpha")[0].outputs[0]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    want = LLM(str(tiny_model_dir), **ENGINE, lora=lora).generate(PROMPTS[1], greedy, lora="alpha")[0].outputs[0]
     out = service.generate(model="alpha", prompt=PROMPTS[1], sampling=pb.SamplingOptions(temperature=0,
                                                                                          max_tokens=MAX_TOKENS))
     assert [t for m in out for t in m.token_ids] == list(want.token_ids)
