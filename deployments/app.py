@@ -165,6 +165,13 @@ class AppConfig(BaseModel):
             EngineConfig.from_options(info.data["model"], **options)  # its ValueError names the option
         return options
 
+    @field_validator("lora_load_dir")
+    @classmethod
+    def _absolute_dir(cls, path: str | None) -> str | None:
+        if path is not None and (not path.startswith("/") or not path.strip("/")):
+            raise ValueError("must be an absolute directory other than /")
+        return path
+
     @field_validator("api_keys")
     @classmethod
     def _long_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ import asyncio
 import ray.exceptions as ray_exceptions
 import ray.serve.exceptions as ray_serve_exceptions
 
-from engine.errors import (AdapterLoadError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
+from engine.errors import (AdapterInUseError, AdapterLoadError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
                            UnknownAdapterError)
 
 
@@ -119,6 +119,8 @@ def to_serving_error(exc: BaseException) -> ServingError:
         return exc
     if isinstance(exc, UnknownAdapterError):
         return ModelNotFound(str(exc), param="model")
+    if isinstance(exc, AdapterInUseError):
+        return BadRequest(str(exc), param="lora_name")
     if isinstance(exc, AdapterLoadError):
         return BadRequest(str(exc), param="lora_path")
     if isinstance(exc, InvalidRequestError):

@@ -34,7 +34,7 @@ from deployments.metrics import EngineMetrics, Recorder, recorder_for
 from deployments.mux import ReplicaHub
 from deployments.nvml import GpuMonitor
 from deployments.tracing import Tracing
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, UnknownAdapterError
 from engine.outputs import StreamOutput, audit_records
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class EngineReplica:
         self._own_tracing = tracing is None  # flushed at shutdown; a given one belongs to its giver
         self.tracing = tracing if tracing is not None else Tracing.from_env()
         self._start_metrics_loop()  # Serve builds replicas on their event loop; else on the first request
+        self._unloaded_adapters: set[str] = set()  # unloaded through the API: never read again on demand
         self._hub = ReplicaHub(self.generate)
         self._link = LinkServer(self, self._hub, link_token, link_host, link_tls) if link_token else None
         self._link_started: asyncio.Task | None = None
@@ -133,7 +134,10 @@ class EngineReplica:
         received_ns = time.time_ns()
         rid = request["request_id"]
         if request.get("lora_path") is not None and request["lora"] not in self._engine.stats().lora_paths:
-            # Loaded at run time on other replicas (deployments.frontend.Frontend.load_lora): read it here too.
+            # Loaded at run time on other replicas (deployments.adapters): read it here too, unless it
+            # was unloaded here (an ingress may still list it until its next poll).
+            if request["lora"] in self._unloaded_adapters:
+                raise UnknownAdapterError(f"adapter {request['lora']!r} was unloaded")
             await self._engine.load_lora(request["lora"], request["lora_path"])
         stream = self._engine.generate(request["prompt_token_ids"], request["params"], request_id=rid,
                                        priority=request.get("priority", 0),
@@ -263,8 +267,10 @@ class EngineReplica:
         name, path = request["lora_name"], request.get("lora_path")
         if path is None:
             await self._engine.unload_lora(name)
+            self._unloaded_adapters.add(name)
             return {"lora_name": name}
         info = await self._engine.load_lora(name, path)
+        self._unloaded_adapters.discard(name)
         return {"lora_name": name, "rank": info.rank}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

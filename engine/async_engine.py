@@ -198,7 +198,10 @@ class AsyncEngine:
         self.check_health()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._inbox.append(("call", fn, loop, done))
+        with self._lock:  # queued before the loop closes (then failed by _close) or refused after
+            if self._closed is not None:
+                raise EngineDeadError(self._closed)
+            self._inbox.append(("call", fn, loop, done))
         self._wake.set()
         return await done
 
@@ -285,6 +288,9 @@ class AsyncEngine:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             _call_soon(stream.loop, stream.fail, EngineDeadError(reason))
+        for item in [i for i in list(self._inbox) if i[0] == "call"]:  # adapter loads no step will run
+            _, _, loop, done = item
+            _call_soon(loop, lambda d=done: d.done() or d.set_exception(EngineDeadError(reason)))
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> EngineStats:

@@ -276,6 +276,8 @@ class LLMEngine(EngineAdapters):
         timings = self._timings
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.scheduler.unservable:
+            self._end_unservable(outputs)
         if timings is not None:
             timings["schedule"] = timings.get("schedule", 0.0) + time.perf_counter() - t0
         if sched.empty:

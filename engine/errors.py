@@ -28,3 +28,7 @@ class UnknownAdapterError(InvalidRequestError):
 class AdapterLoadError(ValueError):
     """A LoRA adapter directory that cannot serve on this base model: missing files, an
     unsupported PEFT option, a rank above ``max_lora_rank``, tensors of another model's shapes."""
+
+
+class AdapterInUseError(AdapterLoadError):
+    """An adapter cannot be unloaded or replaced while requests of it are unfinished."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
+from engine.errors import AdapterLoadError
 from engine.lora.manager import LoRAManager
 from engine.outputs import FINISH_ABORT, PREEMPT_KV_FULL
 from engine.request import Request, RequestStatus
@@ -95,6 +96,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.static_batch: list[Request] = []               # static mode: the batch being admitted
         self.num_preemptions = 0
+        self.unservable: list[tuple[Request, str]] = []
+        """Requests taken out of the queue because their LoRA adapter could not be read (and why):
+        the engine ends them (engine.engine.LLMEngine.step)."""
 
     # ------------------------------------------------------------------ queue
     @property
@@ -247,7 +251,12 @@ class Scheduler:
             if not self.blocks.can_allocate(need, reusing=cached):
                 break  # head-of-line: keep FCFS order within a priority
             if req.lora_name is not None:
-                slot = self.lora.acquire(req.lora_name)
+                try:
+                    slot = self.lora.acquire(req.lora_name)
+                except AdapterLoadError as exc:
+                    self._pop_candidate()
+                    self.unservable.append((req, str(exc)))
+                    continue
                 if slot is None:  # every slot is held by running requests of other adapters
                     if self.static:
                         break

@@ -162,11 +162,11 @@ class SlotAwareRequestRouter(RequestRouter):
         adapter = request.get("lora") if request is not None else None
         adapter = adapter if isinstance(adapter, str) else None
         hashes: list[int] = []
-        if prompt and self._settings.max_prefix_blocks:
+        root = _adapter_root(list(loads.values()), adapter)
+        if prompt and self._settings.max_prefix_blocks and root is not None:
             try:
                 hashes = prefix_routing_keys(prompt, _block_size(list(loads.values()), self._settings.block_size),
-                                             max_blocks=self._settings.max_prefix_blocks,
-                                             root=_adapter_root(list(loads.values()), adapter))
+                                             max_blocks=self._settings.max_prefix_blocks, root=root)
             except ValueError:  # ids no engine accepts: route on load, the replica rejects the request
                 pass
         ranking = rank_replicas(list(loads.values()), hashes, time.time(), self._rng, self._settings.stale_after_s,
@@ -294,14 +294,17 @@ def _block_size(loads: list[ReplicaLoad], fallback: int) -> int:
     return max(counts, key=counts.__getitem__) if counts else fallback
 
 
-def _adapter_root(loads: list[ReplicaLoad], adapter: str | None) -> bytes:
+def _adapter_root(loads: list[ReplicaLoad], adapter: str | None) -> bytes | None:
     """The first parent of ``adapter``'s prefix-cache chain, as a replica serving it reports it (the
-    same on every replica: a digest of the adapter's weights); the base model's without one."""
+    same on every replica: a digest of the adapter's weights); the base model's without an adapter;
+    None when no replica reports that adapter (its blocks cannot be named, so none match)."""
+    if adapter is None:
+        return ROOT_HASH
     for load in loads:
-        root = load.lora_roots.get(adapter) if adapter is not None else None
+        root = load.lora_roots.get(adapter)
         if root is not None:
             try:
                 return bytes.fromhex(root)
             except ValueError:
                 continue
-    return ROOT_HASH
+    return None

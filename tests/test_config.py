@@ -256,3 +256,11 @@ def test_cpu_flags_name_the_bfloat16_instructions(monkeypatch):
     assert cpu_features.fast_bf16()
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert not cpu_features.fast_bf16()
+
+
+@pytest.mark.parametrize("load_dir", ["adapters", "/", "//"])
+def test_lora_load_dir_must_be_an_absolute_directory_other_than_root(load_dir):
+    from deployments.app import AppConfig
+
+    with pytest.raises(ValueError, match="lora_load_dir"):
+        AppConfig(lora_load_dir=load_dir)

@@ -6,6 +6,7 @@ bad adapters and unknown names are refused by name while the engine keeps servin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
@@ -99,7 +100,7 @@ def test_mixed_batch_equals_hf_peft(base, adapters, expected, knob):
         assert (lora.num_loads, lora.num_evictions) == (3, 2)  # one turn each, not one per request
         assert _run(llm) == _want(expected)
         assert (lora.num_loads, lora.num_evictions) == (6, 5) and len(llm.engine.runner.lora._host) == 1
-    assert llm.engine.block_manager.num_used == 0 or llm.engine.config.cache.enable_prefix_caching
+    assert llm.engine.block_manager.num_used == 0  # cached blocks are free (evictable), none held
     assert not lora.running  # every slot given back
 
 
@@ -301,6 +302,7 @@ def test_the_router_finds_an_adapters_cached_prefix_from_its_reported_root(base,
     keys = prefix_routing_keys(prompt, 8, root=_adapter_root([load], "all-r4"))
     assert len(keys) == 4 and set(keys) <= digest
     assert not set(prefix_routing_keys(prompt, 8, root=_adapter_root([load], None))) & digest
+    assert _adapter_root([load], "unreported") is None  # no keys: the base model's would be false hits
 
 
 def test_the_lora_benchmark_runs_and_its_adapters_are_peft_loadable(tiny_model_dir, tmp_path, capsys):
@@ -320,3 +322,47 @@ def test_the_lora_benchmark_runs_and_its_adapters_are_peft_loadable(tiny_model_d
     assert all(r[0]["tokens"] == 12 for r in results.values())
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     PeftModel.from_pretrained(model, out.parent / "lora-adapters" / "a1")
+
+
+@pytest.mark.parametrize("how", ["abort", "n-held-siblings", "static"])
+def test_slots_come_back_on_abort_with_held_choices_and_in_static_batches(base, adapters, how):
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True, n=3 if how != "static" else 1)
+    llm = _llm(base, adapters, dict(max_loras=1), num_kv_blocks=64,
+               **({"scheduling": "static"} if how == "static" else {}))
+    engine = llm.engine
+    ids = [engine.add_request(p, params, lora=name) for p, name in PLAN[:6]]
+    engine.step()
+    assert engine.lora.running  # some held a slot
+    if how == "abort":
+        for rid in ids:
+            engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.lora.running and not engine.requests and engine.block_manager.num_used == 0
+
+
+def test_an_adapter_file_changed_after_loading_ends_its_requests_not_the_engine(base, adapters, expected, tmp_path):
+    path = shutil.copytree(adapters["all-r4"], tmp_path / "changing")
+    llm = _llm(base, {"changing": str(path), "qv-down-r8": adapters["qv-down-r8"]}, dict(max_loras=2),
+               num_kv_blocks=64)
+    make_lora_dir(base, tmp_path / "other", rank=4, seed=42)
+    shutil.copy(tmp_path / "other" / "adapter_model.safetensors", path / "adapter_model.safetensors")
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, GREEDY, lora=["changing", "qv-down-r8"])
+    assert outs[0].outputs[0].finish_reason == "abort" and not outs[0].outputs[0].token_ids
+    assert list(outs[1].outputs[0].token_ids) == expected[tuple(PROMPTS[0]), "qv-down-r8"]
+    with pytest.raises(UnknownAdapterError, match="'changing'"):  # no longer served
+        llm.engine.add_request(PROMPTS[0], GREEDY, lora="changing")
+    assert not llm.engine.lora.running and llm.engine.block_manager.num_used == 0
+
+
+def test_loading_on_a_closed_async_engine_fails_at_once(base, adapters):
+    from engine.async_engine import AsyncEngine
+    from engine.errors import EngineDeadError
+
+    engine = AsyncEngine.from_options(str(base), dtype="float32", block_size=8, num_kv_blocks=32,
+                                      lora={"max_loras": 1, "max_lora_rank": 8})
+    info = asyncio.run(engine.load_lora("all-r4", adapters["all-r4"]))
+    assert info.rank == 4
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(engine.load_lora("mlp-k-r2", adapters["mlp-k-r2"]), 10))

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.errors import UnknownAdapterError
 from tests.factories import make_lora_dir
 
 TEXT = "Adapters share one base model"
@@ -151,6 +152,11 @@ def test_load_at_run_time_over_http_then_a_new_replica_reads_it_on_demand(tiny_m
                 off = await http.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "gamma"})
                 gone = await http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"})
                 after = await http.post("/v1/completions", json=body)
+            # An ingress that has not polled since still sends the directory: the replica refuses it.
+            stale = {"request_id": "stale", "prompt_token_ids": [5, 6], "params": SamplingParams(max_tokens=2),
+                     "lora": "gamma", "lora_path": str(adapters_dir / "gamma")}
+            with pytest.raises(UnknownAdapterError, match="'gamma' was unloaded"):
+                [m async for m in later.generate(stale)]
             return refused, loaded, again, served, models, on_both, off, gone, after
         finally:
             await first.shutdown()

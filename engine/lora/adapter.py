@@ -146,10 +146,21 @@ def _parse_key(key: str, num_layers: int, modules: frozenset[str], path: Path) -
 
 
 def read_weights(info: AdapterInfo) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(layer, module) -> (A [r, in], B * scaling [out, r]), whole (each rank cuts its part)."""
-    from safetensors.torch import load_file
+    """(layer, module) -> (A [r, in], B * scaling [out, r]), whole (each rank cuts its part).
 
-    tensors = load_file(str(info.path / WEIGHTS_FILE))
+    The file must still be the one ``read_adapter`` checked (its digest): one changed or removed
+    since is an AdapterLoadError, never weights of other shapes or another adapter's."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        data = (info.path / WEIGHTS_FILE).read_bytes()
+        if hashlib.sha256(data).digest() != info.digest:
+            raise AdapterLoadError(f"adapter {info.name!r}: {info.path / WEIGHTS_FILE} changed since it was "
+                                   "loaded; load it again")
+        tensors = load(data)
+    except (OSError, SafetensorError) as exc:
+        raise AdapterLoadError(f"adapter {info.name!r}: cannot read {info.path / WEIGHTS_FILE}: {exc}") from None
     out = {}
     for key, a in tensors.items():
         layer, module, which = _parse_key(key, 1 << 30, info.modules, info.path)  # checked by read_adapter

@@ -7,11 +7,14 @@ LoRA), ``requests``, ``scheduler``, ``runner`` and ``tp`` it reads.
 from __future__ import annotations
 
 import collections
+import logging
 from pathlib import Path
 
-from engine.errors import AdapterLoadError, UnknownAdapterError
+from engine.errors import AdapterInUseError, AdapterLoadError, UnknownAdapterError
 from engine.lora.adapter import AdapterInfo
-from engine.outputs import EngineStats
+from engine.outputs import FINISH_ABORT, EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 class EngineAdapters:
@@ -40,12 +43,20 @@ class EngineAdapters:
     def _check_idle(self, name: str) -> None:
         users = sum(r.lora_name == name for choices in self.requests.values() for r in choices)
         if users:
-            raise AdapterLoadError(f"adapter {name!r} has {users} unfinished requests; retry once they end")
+            raise AdapterInUseError(f"adapter {name!r} has {users} unfinished requests; retry once they end")
 
     def _activate_lora(self, slot: int, info: AdapterInfo) -> None:
+        self.runner.lora.activate(slot, info)  # first: a file that fails its check reaches no other rank
         if self.tp is not None:
             self.tp.send_lora(slot, info)
-        self.runner.lora.activate(slot, info)
+
+    def _end_unservable(self, outputs: list) -> None:
+        """End the requests whose adapter could not be read when a slot was filled for them."""
+        for req, why in self.scheduler.unservable:
+            logger.error("request %s: ending it, its LoRA adapter cannot be served: %s", req.request_id, why)
+            self.finish(req, FINISH_ABORT)
+            outputs.append(self._output(req, [], None))
+        self.scheduler.unservable.clear()
 
     def _lora_stats(self, s: EngineStats) -> None:
         lora = self.lora

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.config import ADAPTER_NAME, LoRAConfig
-from engine.errors import AdapterLoadError, UnknownAdapterError
+from engine.errors import AdapterInUseError, AdapterLoadError, UnknownAdapterError
 from engine.lora.adapter import AdapterInfo, read_adapter
 from engine.model.arch import ModelArch
 
@@ -42,7 +42,7 @@ class LoRAManager:
         slot = self.slot_of.get(name)
         if slot is not None:
             if self._users[slot]:
-                raise AdapterLoadError(f"adapter {name!r} is in use by {self._users[slot]} running requests")
+                raise AdapterInUseError(f"adapter {name!r} is in use by {self._users[slot]} running requests")
             self._vacate(slot)
         self.adapters[name] = info
         self.version += 1
@@ -53,7 +53,7 @@ class LoRAManager:
         slot = self.slot_of.get(name)
         if slot is not None:
             if self._users[slot]:
-                raise AdapterLoadError(f"adapter {name!r} is in use by {self._users[slot]} running requests")
+                raise AdapterInUseError(f"adapter {name!r} is in use by {self._users[slot]} running requests")
             self._vacate(slot)
         del self.adapters[name]
         self.version += 1
@@ -80,7 +80,12 @@ class LoRAManager:
                 self.num_evictions += 1
             else:
                 return None
-            self._activate(slot, info)
+            try:
+                self._activate(slot, info)
+            except AdapterLoadError:  # its file changed or went away since it was checked: not served
+                del self.adapters[name]
+                self.version += 1
+                raise
             self._slots[slot], self.slot_of[name] = name, slot
             self.num_loads += 1
         self._idle.pop(slot, None)
