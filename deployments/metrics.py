@@ -48,6 +48,8 @@ class MetricDef:
     buckets: tuple[float, ...] = ()
     gpu_only: bool = False
     """Recorded only by replicas that run on a GPU NVML can see (deployments.nvml)."""
+    lora_only: bool = False
+    """Recorded only by replicas that serve LoRA adapters (engine option ``lora``)."""
 
 
 METRICS: dict[str, MetricDef] = {
@@ -67,9 +69,12 @@ METRICS: dict[str, MetricDef] = {
     # engine replica with LoRA adapters (docs/LORA.md)
     "lora_requests_info": MetricDef("gauge", "vLLM's LoRA info series: the time, labelled with max_lora and the "
                                     "adapters running and waiting (comma-separated).",
-                                    tags=("max_lora", "running_lora_adapters", "waiting_lora_adapters")),
-    "lora_requests_running": MetricDef("gauge", "Running requests per LoRA adapter.", tags=("lora_name",)),
-    "lora_requests_waiting": MetricDef("gauge", "Requests waiting for a slot, per LoRA adapter.", tags=("lora_name",)),
+                                    tags=("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+                                    lora_only=True),
+    "lora_requests_running": MetricDef("gauge", "Running requests per LoRA adapter.", tags=("lora_name",),
+                                       lora_only=True),
+    "lora_requests_waiting": MetricDef("gauge", "Requests waiting for a slot, per LoRA adapter.", tags=("lora_name",),
+                                       lora_only=True),
     "lora_loads": MetricDef("counter", "LoRA adapters put in a device slot (from host memory or disk)."),
     "lora_evictions": MetricDef("counter", "Idle LoRA adapters taken out of a slot to make room for another."),
     # engine replica: per request, when its stream ends
@@ -102,10 +107,12 @@ METRICS: dict[str, MetricDef] = {
 OTHER_METRICS: dict[str, str] = {ROUTING_DECISIONS_METRIC: "counter", **AUTOSCALER_METRICS}  # full name -> kind
 
 
-def exported_names(gpu: bool = True) -> set[str]:
+def exported_names(gpu: bool = True, lora: bool = True) -> set[str]:
     """Every series name a Prometheus scrape shows for our metrics (counters' ``_total``,
-    histograms' ``_bucket`` / ``_sum`` / ``_count``); ``gpu=False``: those of a CPU-only app."""
-    kinds = {PREFIX + name: d.kind for name, d in METRICS.items() if gpu or not d.gpu_only} | OTHER_METRICS
+    histograms' ``_bucket`` / ``_sum`` / ``_count``); ``gpu=False``: those of a CPU-only app;
+    ``lora=False``: of an app without LoRA adapters."""
+    kinds = {PREFIX + name: d.kind for name, d in METRICS.items()
+             if (gpu or not d.gpu_only) and (lora or not d.lora_only)} | OTHER_METRICS
     names = set()
     for full, kind in kinds.items():
         base = EXPORT_PREFIX + full

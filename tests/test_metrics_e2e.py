@@ -162,7 +162,8 @@ def test_metrics_reach_prometheus(cluster):
     expected = {"unauthenticated": 1, "invalid": 1, "deadline": seen["DEADLINE_EXCEEDED"],
                 "overloaded": seen["RESOURCE_EXHAUSTED"]}
     assert expected["deadline"] == 1 and expected["overloaded"] >= 1, seen
-    wanted = exported_names(gpu=False)  # no GPU here: the GPU gauges are tests/test_nvml.py's
+    # No GPU here (the GPU gauges are tests/test_nvml.py's) and no LoRA (test_metrics.py records those).
+    wanted = exported_names(gpu=False, lora=False)
 
     def all_there():
         s = Scrape(port)
