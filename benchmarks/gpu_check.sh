@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything a short GPU lease should check, in one command from the repository root:
-# the `gpu` tests (kernels compiled, CUDA graphs, memory budget, HF oracle on CUDA), the
-# kernels of a decode step (benchmarks.kernels) and the GPU benchmark (random weights of
-# Llama-3.2-1B's shape, bf16; BENCH_ARGS adds options). Logs and results go to $OUT.
+# the `gpu` tests (kernels compiled, CUDA graphs, memory budget, HF oracle on CUDA, LoRA against
+# HF + PEFT), the kernels of a decode step (benchmarks.kernels), the GPU benchmark (random weights
+# of Llama-3.2-1B's shape, bf16; BENCH_ARGS adds options) and LoRA's cost per token on that shape
+# (benchmarks.lora). Logs and results go to $OUT. A step whose *_S limit is 0 is skipped.
 #
 # Wheels of packages the machine lacks (pydantic and its parts) may sit in .whl/.
 # Ray is not needed: engine/ never imports it (tests/test_nvml.py does, so it is left out).
@@ -36,17 +37,32 @@ EOF
 set -o pipefail
 timeout "${PYTEST_S:-300}" python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --timeout 150 \
     --junitxml="$OUT/pytest.xml" ${GPU_TESTS:-tests/test_attention_gpu.py tests/test_attention.py \
-    tests/test_gpu_engine.py tests/test_cuda_graphs.py tests/test_memory_budget.py} 2>&1 | tee "$OUT/pytest.log"
+    tests/test_gpu_engine.py tests/test_cuda_graphs.py tests/test_memory_budget.py tests/test_lora.py} \
+    2>&1 | tee "$OUT/pytest.log"
 echo "pytest exit: $?" | tee -a "$OUT/pytest.log"
 
-timeout "${KERNELS_S:-120}" python3 -m benchmarks.kernels --device cuda --model-shape llama-1b --levels 1,32 \
-    2>&1 | tee "$OUT/kernels.log"
+if [ "${KERNELS_S:-120}" != 0 ]; then
+    timeout "${KERNELS_S:-120}" python3 -m benchmarks.kernels --device cuda --model-shape llama-1b --levels 1,32 \
+        2>&1 | tee "$OUT/kernels.log"
+fi
 
 bench=/tmp/gpu-bench
-timeout "${BENCH_S:-240}" python3 -m benchmarks --device cuda --dtype bfloat16 --model-shape llama-1b \
-    --systems "${BENCH_SYSTEMS:-continuous,static,hf_generate_batch}" --out-dir "$bench" ${BENCH_ARGS:-} \
-    2>&1 | tee "$OUT/bench.log"
-echo "bench exit: $?" | tee -a "$OUT/bench.log"
-cp "$bench"/results-*.json "$bench"/results-*.md "$OUT/" 2>/dev/null
-tar czf "$OUT/bench-logs.tgz" -C "$bench" logs 2>/dev/null
+if [ "${BENCH_S:-240}" != 0 ]; then
+    timeout "${BENCH_S:-240}" python3 -m benchmarks --device cuda --dtype bfloat16 --model-shape llama-1b \
+        --systems "${BENCH_SYSTEMS:-continuous,static,hf_generate_batch}" --out-dir "$bench" ${BENCH_ARGS:-} \
+        2>&1 | tee "$OUT/bench.log"
+    echo "bench exit: $?" | tee -a "$OUT/bench.log"
+    cp "$bench"/results-*.json "$bench"/results-*.md "$OUT/" 2>/dev/null
+    tar czf "$OUT/bench-logs.tgz" -C "$bench" logs 2>/dev/null
+fi
+
+# LoRA's cost, eager and then compiled with CUDA graphs (the base engine likewise in each).
+for mode in eager compiled; do
+    limit=$([ $mode = eager ] && echo "${LORA_S:-150}" || echo "${LORA_COMPILED_S:-240}")
+    [ "$limit" = 0 ] && continue
+    timeout "$limit" python3 -m benchmarks.lora --device cuda --dtype bfloat16 --model-shape llama-1b \
+        --slots 64 --requests 128 --rounds 2 $([ $mode = compiled ] && echo --compiled) \
+        --out /tmp/gpu-lora/lora-$mode.json 2>&1 | tee "$OUT/lora-$mode.log"
+    cp /tmp/gpu-lora/lora-$mode.json "$OUT/" 2>/dev/null
+done
 true

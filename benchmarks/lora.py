@@ -1,14 +1,16 @@
 """What LoRA costs per token: the same requests on the base model, then spread over 1, 4 and 16 adapters.
 
     python -m benchmarks.lora [--model smollm2-135m] [--requests 32] [--slots 16] [--rank 16] [--rounds 2]
+    python -m benchmarks.lora --device cuda --dtype bfloat16 --model-shape llama-1b --slots 64 --requests 128
 
-One process, eager engines (LoRA engines do not compile; the base engine runs eager too, so
-the ratio is LoRA's own cost). Runs, in turn and ``--rounds`` times so that a drifting host
-shows as a spread: the base engine; an engine with adapter slots whose requests use none (the
-cost of having slots); and requests spread round-robin over 1, 4 and 16 adapters of rank
-``--rank`` (``max_loras`` = the adapter count, so each step mixes them all). Adapters have
-random weights of the model's real shapes, written in PEFT's format.
-"""
+One process; every engine eager, or with ``--compiled`` every one compiled (with CUDA graphs of
+decode steps on a GPU), so the ratio is LoRA's own cost either way. Runs, in turn and
+``--rounds`` times so that a drifting host shows as a spread: the base engine; an engine with
+adapter slots whose requests use none (the cost of having slots); and requests spread
+round-robin over 1, 4 and 16 adapters of rank ``--rank`` (``max_loras`` = the adapter count, so each
+step mixes them all). Adapters have random weights of the model's real shapes, written in PEFT's
+format. With ``--model-shape`` the base model has random weights of that shape too
+(``benchmarks.models``) and prompts are token ids."""
 
 from __future__ import annotations
 
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--counts", default="1,4,16", help="adapter counts to spread the requests over")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--model-shape", default=None, help="random weights of this shape (benchmarks.models) instead")
+    ap.add_argument("--compiled", action="store_true", help="compiled engines (CUDA graphs on a GPU), not eager")
     ap.add_argument("--out", default="bench-out/lora.json")
     args = ap.parse_args(argv)
     from engine import LLM
@@ -75,16 +81,25 @@ def main(argv: list[str] | None = None) -> int:
     from engine.model import ModelArch
 
     counts = [int(c) for c in args.counts.split(",")]
-    model_dir = Path(resolve_model(args.model))
-    arch = ModelArch.from_dir(model_dir)
     root = Path(args.out).parent / "lora-adapters"
+    if args.model_shape:
+        from benchmarks.models import make_shaped_model_dir
+
+        model = str(make_shaped_model_dir(root / "base", args.model_shape, args.dtype, args.device))
+    else:
+        model = str(resolve_model(args.model))
+    arch = ModelArch.from_dir(Path(model))
     adapters = {f"a{i}": str(write_adapter(root / f"a{i}", arch, args.rank, i)) for i in range(max(counts))}
-    common = dict(dtype="float32", max_num_seqs=args.slots, enforce_eager=True, max_model_len=1024,
-                  kv_cache_memory_gb=0.5)
-    base = LLM(args.model, **common)
-    chat = base.tokenizer.apply_chat_template
-    prompts = [chat([{"role": "user", "content": ASK.format(i=i)}]) for i in range(args.requests)]
-    with_slots = {k: LLM(args.model, **common, lora=dict(adapters={n: adapters[n] for n in list(adapters)[:k]},
+    common = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.slots, enforce_eager=not args.compiled,
+                  max_model_len=1024, kv_cache_memory_gb=0.5 if args.device == "cpu" else 4)
+    base = LLM(model, **common)
+    if args.model_shape:
+        vocab = min(arch.vocab_size, 1000)
+        prompts = [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(48 + i % 32)] for i in range(args.requests)]
+    else:
+        chat = base.tokenizer.apply_chat_template
+        prompts = [chat([{"role": "user", "content": ASK.format(i=i)}]) for i in range(args.requests)]
+    with_slots = {k: LLM(model, **common, lora=dict(adapters={n: adapters[n] for n in list(adapters)[:k]},
                                                          max_loras=k, max_lora_rank=args.rank)) for k in counts}
     no_adapter = [None] * len(prompts)
     runs = [("base", base, no_adapter), ("slots, no adapter", with_slots[max(counts)], no_adapter)]

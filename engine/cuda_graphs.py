@@ -4,9 +4,9 @@ A decode step launches a few hundred small kernels; replaying them as one captur
 takes the host out of the step. Graphs are captured at start for each (batch bucket,
 context bucket): the step's rows are padded up to the batch bucket, and its longest
 context picks the context bucket (the torch backend's padded batch grows with it; the
-paged kernels of every other backend need one context bucket). Inputs live in static buffers: token ids,
-positions and block-table rows; the block table, slot mapping, KV lengths and cu_seqlens
-are derived on the device inside the graph. Padding rows read and write only the scratch
+paged kernels of every other backend need one context bucket). Inputs live in static buffers:
+token ids, positions, block-table rows and, with LoRA, each row's adapter slot; the block table,
+slot mapping, KV lengths and cu_seqlens are derived on the device inside the graph. Padding rows read and write only the scratch
 block, which the block manager never hands out. Steps with a prefill chunk, or that fit no
 bucket, run eagerly. Without capture (CPU, tests) the same static path runs eagerly.
 """
@@ -81,20 +81,23 @@ def decode_metadata(table: BlockTable, rows: torch.Tensor, positions: torch.Tens
 class DecodeGraphs:
     def __init__(self, forward: Callable, backend: AttentionBackend, kv_caches: list, table: BlockTable,
                  block_size: int, max_num_seqs: int, max_model_len: int, vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, lora_step=None) -> None:
         self.forward = forward
         """Called like the model: eager modules, or the compiled decoder (captured the same way)."""
         self.backend = backend
         self.kv_caches = kv_caches
         self.table = table
         self.block_size = block_size
+        self.lora_step = lora_step
+        """engine.lora.layers.LoRAStep of a LoRA engine: graphs read every slot, each row's from the buffer."""
         self.batches = batch_buckets(max_num_seqs)
         self.contexts = context_buckets(max_model_len) if backend.graph_context_buckets else [max_model_len]
         top = self.batches[-1]
         # Inference tensors, as eager steps' inputs are: a compiled model guards on the difference.
         with torch.inference_mode():
-            self._inputs = torch.zeros(3, top, dtype=torch.int64, device=device)  # ids, positions, table rows
-            self._inputs[2] = table.pad_row
+            # ids, positions, table rows, adapter slots (-1: none)
+            self._inputs = torch.zeros(4, top, dtype=torch.int64, device=device)
+            self._inputs[2], self._inputs[3] = table.pad_row, -1
         self._sample_all = torch.arange(top, device=device)
         self._logits = torch.empty(top, vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -116,7 +119,8 @@ class DecodeGraphs:
         rows = self.table.update(chunks, self.block_size)
         pad = key.batch - len(chunks)
         host = torch.tensor([[c.token_ids[0] for c in chunks] + [0] * pad, [c.start for c in chunks] + [0] * pad,
-                             rows + [self.table.pad_row] * pad], dtype=torch.int64)
+                             rows + [self.table.pad_row] * pad, [c.lora_slot for c in chunks] + [-1] * pad],
+                            dtype=torch.int64)
         self._inputs[:, :key.batch].copy_(host, non_blocking=True)
         graph = self._graphs.get(key)
         if graph is not None:
@@ -126,7 +130,9 @@ class DecodeGraphs:
         return self._logits[:len(chunks)]
 
     def _forward(self, key: GraphKey) -> None:
-        ids, positions, rows = self._inputs[:, :key.batch]
+        ids, positions, rows, lora_slots = self._inputs[:, :key.batch]
+        if self.lora_step is not None:
+            self.lora_step.set(lora_slots, self.lora_step.max_loras)
         meta = decode_metadata(self.table, rows, positions, key.context, self.block_size)
         self.backend.plan(meta)
         logits = self.forward(ids, positions, self.kv_caches, meta, self._sample_all[:key.batch])
@@ -141,6 +147,7 @@ class DecodeGraphs:
             self._inputs[0, :key.batch] = 0
             self._inputs[1, :key.batch] = 0
             self._inputs[2, :key.batch] = self.table.pad_row
+            self._inputs[3, :key.batch] = -1
             self._forward(key)  # warm-up: lazy library set-up must not happen inside a capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

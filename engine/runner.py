@@ -82,8 +82,7 @@ class ModelRunner:
             self.model.prepack(config.scheduler.max_num_seqs)
         # Not with tensor parallelism: its ranks all-reduce mid-layer, outside what one graph can trace.
         self.compiled: CompiledDecoder | None = None
-        # Nor with LoRA: the step's adapter map is host state the traced graph would bake in.
-        if config.compile_model and not config.enforce_eager and self.group.world_size == 1 and self.lora is None:
+        if config.compile_model and not config.enforce_eager and self.group.world_size == 1:
             self.compiled = CompiledDecoder(self.model)
         self.decoder: Callable = (self.model if self.compiled is None
                                   else functools.partial(self.compiled, backend=self.backend))
@@ -92,7 +91,7 @@ class ModelRunner:
         self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.group.world_size == 1
-                           and self.backend.supports_cuda_graphs and self.lora is None)
+                           and self.backend.supports_cuda_graphs)
         # Most context tokens one step can read: every slot at full length, rounded to blocks.
         self.max_context_tokens = max_seqs * -(-max_model_len // self.block_size) * self.block_size
         blocks = self._pool_size()
@@ -112,7 +111,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             self.graphs = DecodeGraphs(self.decoder, self.backend, self.kv_caches, self.block_table, self.block_size,
-                                       max_seqs, max_model_len, arch.vocab_size, self.device)
+                                       max_seqs, max_model_len, arch.vocab_size, self.device,
+                                       None if self.lora is None else self.lora.step)
             with torch.inference_mode():
                 self.graphs.capture()
         self.send_step: Callable[[list], None] | None = None

@@ -240,6 +240,27 @@ def test_extra_app_args_reach_the_app(chart):
     assert AppConfig.from_args(args).max_body_bytes == 1048576
 
 
+def test_lora_store_is_mounted_read_only_on_the_workers_and_is_the_apps_load_dir(chart, crd_validators):
+    from deployments.app import AppConfig
+
+    values = {"loraStore": {"enabled": True, "existingClaim": "adapters"},
+              "engine": {"lora": {"adapters": {"sql": "/adapters/sql"}, "max_loras": 4}}}
+    rs = the(documents(render(chart, values)), "RayService")
+    assert_valid(crd_validators["RayService"], rs, "RayService")
+    for group, template in pod_templates(rs).items():
+        pod = template["spec"]
+        volumes = [v for v in pod.get("volumes", ()) if v["name"] == "lora-store"]
+        mounts = [m for c in pod["containers"] for m in c.get("volumeMounts", ()) if m["name"] == "lora-store"]
+        if group == "head":  # no engine and no Router there
+            assert not volumes and not mounts
+            continue
+        assert volumes == [{"name": "lora-store", "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}}]
+        assert mounts and all(m["mountPath"] == "/adapters" and m["readOnly"] for m in mounts), group
+    args = serve_config(rs)["applications"][0]["args"]
+    assert AppConfig.from_args(args).lora_load_dir == "/adapters"
+    assert args["engine"]["lora"] == {"adapters": {"sql": "/adapters/sql"}, "max_loras": 4}
+
+
 def test_upgrade_strategy_default_and_none(rendered):
     assert the(documents(rendered["gpu-1x"]), "RayService")["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
     assert the(documents(rendered["gpu-70b-tp8"]), "RayService")["spec"]["upgradeStrategy"] == {"type": "None"}

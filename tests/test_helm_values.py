@@ -24,6 +24,7 @@ from tests.helm_chart import (CHART_DIR, ROOT, chart, render, rendered, the)
     ({"initializingTimeout": "soon"}, "initializingTimeout"),
     ({"serve": {"ingress": "nginx"}}, "ingress"),
     ({"replica": {"numCpus": 0}}, "numCpus"),
+    ({"loraStore": {"enabled": True, "existingClaim": "adapters", "mountPath": "/"}}, "mountPath"),
     ({"workerGroups": [{"name": "GPU", "minReplicas": 0, "maxReplicas": 1}]}, "name"),
     ({"containerSecurityContext": {"allowPrivilegeEscalation": True, "capabilities": {"drop": ["ALL"]}}},
      "allowPrivilegeEscalation"),
@@ -41,6 +42,7 @@ def test_bad_value_fails_the_schema_naming_it(chart, values, named):
     ({"replica": {"numCpus": 9}}, "no worker group can hold one engine replica"),
     ({"extraAppArgs": {"drain_timeout_s": 5}}, "extraAppArgs.drain_timeout_s"),
     ({"fullnameOverride": "1st-serving"}, "must start with a letter"),
+    ({"loraStore": {"enabled": True}}, "loraStore.existingClaim: name the claim holding the adapters"),
     ({"tls": {"existingSecret": "certs"}}, "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP"),
 ])
 def test_inconsistent_values_fail_rendering(chart, values, message):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cuda_graphs import DecodeGraphs
 from engine.errors import AdapterLoadError, UnknownAdapterError
 from engine.lora import LoRAManager
 from tests.factories import make_lora_dir, make_model_dir
@@ -104,11 +105,43 @@ def test_mixed_batch_equals_hf_peft(base, adapters, expected, knob):
     assert not lora.running  # every slot given back
 
 
-@pytest.mark.gpu
-def test_mixed_batch_on_cuda_equals_hf_peft(base, adapters, expected):
-    """The same masked matmuls on CUDA (eager: LoRA engines capture no graphs), float32."""
-    llm = _llm(base, adapters, dict(max_loras=3), num_kv_blocks=64, device="cuda")
+def _through_decode_graphs(llm: LLM) -> list:
+    """Route the runner's decode steps through DecodeGraphs (captured on CUDA; on CPU the same static
+    path runs uncaptured); returns the keys the steps used."""
+    runner = llm.engine.runner
+    if runner.graphs is None:
+        runner.graphs = DecodeGraphs(runner.decoder, runner.backend, runner.kv_caches, runner.block_table,
+                                     runner.block_size, llm.engine.config.scheduler.max_num_seqs,
+                                     runner.max_model_len, llm.engine.vocab_size, runner.device, runner.lora.step)
+    used, run = [], runner.graphs.run
+    runner.graphs.run = lambda chunks, key: (used.append(key), run(chunks, key))[1]
+    return used
+
+
+def test_compiled_model_and_decode_graph_path_equal_hf_peft(base, adapters, expected):
+    """The compiled model reads the step's adapters through its opaque op: first chunks with the
+    slots in use, decode steps through the graphs' static path with every slot read and each row's
+    slot from the graphs' input buffer (padding rows: none)."""
+    llm = _llm(base, adapters, dict(max_loras=4), num_kv_blocks=256, enforce_eager=False, compile_model=True,
+               attention_backend="torch")
+    assert llm.engine.runner.compiled is not None
+    used = _through_decode_graphs(llm)
     assert _run(llm) == _want(expected)
+    assert used and any(k.batch > 1 for k in used)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled-graphs"])
+def test_mixed_batch_on_cuda_equals_hf_peft(base, adapters, expected, eager):
+    """The same masked matmuls on CUDA, float32: eager, and compiled with decode steps replayed
+    from captured CUDA graphs while adapters are swapped in and out of two slots."""
+    llm = _llm(base, adapters, dict(max_loras=2), num_kv_blocks=64, device="cuda", enforce_eager=eager)
+    runner = llm.engine.runner
+    assert (runner.graphs is None) == eager
+    used = [] if eager else _through_decode_graphs(llm)
+    assert _run(llm) == _want(expected)
+    assert eager or used
+    assert llm.engine.lora.num_evictions > 0
 
 
 def test_tensor_parallel_mixed_batch_equals_hf_peft(base, adapters, expected):

@@ -13,6 +13,10 @@ is ``n * parts * rank * (in + out)`` per token, against ``in * out`` for the bas
 with the adapters a replica holds at once, not with the requests. Ranks below
 ``max_lora_rank`` are zero-padded and the scaling is folded into B.
 
+A compiled model reaches ``delta`` through an opaque op, and a decode CUDA graph captures it with
+``n`` = every slot and the token -> slot map in the graph's input buffer (engine.cuda_graphs):
+slots are written in place, so a replay reads whatever adapters the slots hold now.
+
 Tensor parallelism cuts A and B with the base layer's own loaders: column-parallel projections
 keep A whole and split B's rows like their weight; row-parallel ones split A's columns like
 their weight and keep B whole, and their partial products join the base's partial output
@@ -65,6 +69,9 @@ class LoRAStep:
 
 class LoRAWeights:
     """Every slot's A and B for one projection; ``delta(x)`` is what the step's adapters add."""
+
+    index = -1
+    """This projection's number among the compiled model's LoRA projections (engine.model.compiled)."""
 
     def __init__(self, layer: LinearBase, parts: tuple, step: LoRAStep) -> None:
         self.layer, self.parts, self.step = layer, parts, step

@@ -10,6 +10,10 @@ one-token steps, which it specializes). Two custom ops stay opaque to inductor:
 - ``slotserve::packed_linear`` (CPU): the oneDNN GEMM over the weights ``prepack`` packed, as
   the eager model runs it. A packed oneDNN tensor can be neither traced nor written to
   inductor's disk cache, so the graph names each layer by its index in the model instead.
+- ``slotserve::lora_delta`` (LoRA engines): what the step's adapters add to a projection
+  (engine.lora.layers). The step's token -> adapter map is host state that changes every step;
+  read out of band like the attention metadata, it never becomes a guard, and inside a decode
+  CUDA graph it is the graph's own input buffer.
 
 What inductor gains is everything between them: RMSNorm, rotary, SiLU·mul and the residual
 adds become a few fused loops per layer instead of ~40 small ops, each a Python dispatch and
@@ -43,12 +47,14 @@ logger = logging.getLogger(__name__)
 
 RECOMPILE_LIMIT = 64
 _step = threading.local()
-"""The running step's (backend, metadata, packed layers): per thread, as engines may share a process."""
+"""The running step's (backend, metadata, packed layers, LoRA weights): per thread, as engines may
+share a process."""
 
 
 @contextlib.contextmanager
-def step_context(backend: AttentionBackend, meta: AttentionMetadata, packed_layers: list) -> Iterator[None]:
-    _step.current = (backend, meta, packed_layers)
+def step_context(backend: AttentionBackend, meta: AttentionMetadata, packed_layers: list,
+                 lora_layers: list = ()) -> Iterator[None]:
+    _step.current = (backend, meta, packed_layers, lora_layers)
     try:
         yield
     finally:
@@ -74,11 +80,23 @@ def _(x, index, out_features, with_bias):
     return x.new_empty(x.shape[0], out_features)
 
 
+@torch.library.custom_op("slotserve::lora_delta", mutates_args=())
+def lora_delta(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    """What the step's adapters add to LoRA projection ``index`` (zeros when no token uses one)."""
+    delta = _current()[3][index].delta(x)
+    return x.new_zeros(x.shape[0], out_features) if delta is None else delta
+
+
+@lora_delta.register_fake
+def _(x, index, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 @torch.library.custom_op("slotserve::attention", mutates_args=("k_cache", "v_cache"))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor) -> torch.Tensor:
     """One layer's paged attention with the step context's backend and metadata."""
-    backend, meta, _ = _current()
+    backend, meta = _current()[:2]
     return backend.forward(q, k, v, (k_cache, v_cache), meta)
 
 
@@ -102,6 +120,9 @@ class CompiledDecoder:
                               and hasattr(m, "packed_index")]
         for index, layer in enumerate(self.packed_layers):
             layer.packed_index = index
+        self.lora_layers = [m.lora for m in model.modules() if getattr(m, "lora", None) is not None]
+        for index, weights in enumerate(self.lora_layers):
+            weights.index = index
         self._hidden = torch.compile(model.hidden_states, dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids, positions, kv_caches, meta, logits_indices, backend):
@@ -109,7 +130,7 @@ class CompiledDecoder:
         # with the token count. A storage offset is a size dynamo guards on: copies at offset 0 keep
         # one compiled variant for all (inside a CUDA graph the copy is one tiny captured kernel).
         input_ids, positions = (t if t.storage_offset() == 0 else t.clone() for t in (input_ids, positions))
-        with step_context(backend, meta, self.packed_layers):
+        with step_context(backend, meta, self.packed_layers, self.lora_layers):
             hidden = self._hidden(input_ids, positions, kv_caches, None)
         return self.model.logits(hidden, logits_indices)
 

@@ -99,9 +99,14 @@ class LinearBase(nn.Module):
         self.weight.data = self.weight.data.new_empty(0)
 
     def _linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
-        if self.packed is not None and torch.compiler.is_compiling():
-            # A packed oneDNN weight cannot be traced: the compiled graph names the layer instead.
-            return torch.ops.slotserve.packed_linear(x, self.packed_index, self.packed.shape[0], with_bias)
+        if torch.compiler.is_compiling():
+            if self.packed is not None:  # a packed oneDNN weight cannot be traced: the graph names the layer
+                out = torch.ops.slotserve.packed_linear(x, self.packed_index, self.packed.shape[0], with_bias)
+            else:
+                out = linear(x, self.weight, self.bias if with_bias else None, None)
+            if self.lora is not None:
+                out = out + torch.ops.slotserve.lora_delta(x, self.lora.index, out.shape[-1])
+            return out
         out = linear(x, self.weight, self.bias if with_bias else None, self.packed)
         delta = self.lora.delta(x) if self.lora is not None else None
         return out if delta is None else out.add_(delta)

@@ -37,6 +37,9 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
 {{- if not (kindIs "invalid" $v.limits.requestTimeoutSeconds) }}
 {{- $_ := set $args "request_timeout_s" $v.limits.requestTimeoutSeconds }}
 {{- end }}
+{{- if $v.loraStore.enabled }}
+{{- $_ := set $args "lora_load_dir" $v.loraStore.mountPath }}
+{{- end }}
 {{- if $v.apiKeys.existingSecret }}
 {{- $_ := set $args "api_keys_file" (printf "%s/keys" $v.apiKeys.mountPath) }}
 {{- end }}

@@ -155,6 +155,11 @@ exec:
               mountPath: {{ $v.modelStore.mountPath }}
               readOnly: true
             {{- end }}
+            {{- if $v.loraStore.enabled }}
+            - name: lora-store
+              mountPath: {{ $v.loraStore.mountPath }}
+              readOnly: true
+            {{- end }}
             {{- if $v.apiKeys.existingSecret }}
             - name: api-keys
               mountPath: {{ $v.apiKeys.mountPath }}
@@ -187,6 +192,12 @@ exec:
         - name: model-store
           persistentVolumeClaim:
             claimName: {{ $v.modelStore.existingClaim }}
+            readOnly: true
+        {{- end }}
+        {{- if $v.loraStore.enabled }}
+        - name: lora-store
+          persistentVolumeClaim:
+            claimName: {{ required "loraStore.existingClaim: name the claim holding the adapters" $v.loraStore.existingClaim }}
             readOnly: true
         {{- end }}
         {{- if $v.apiKeys.existingSecret }}
