@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve import Application
 
 from engine.config import EngineConfig, SchedulerConfig
-from engine.validation import Float, Int, Str, field_errors
+from engine.validation import Bool, Float, Int, Str, field_errors
 from deployments.frontend import FrontendConfig
 from deployments.ingress import ENGINE_DEPLOYMENT, RouterIngress
 from deployments.link import LINK_TOKEN_ENV, LinkTls, new_token
@@ -145,6 +145,9 @@ class AppConfig(BaseModel):
     lora_load_dir: Str | None = Field(None, min_length=1)
     """LoRA adapters may be loaded at run time (``POST /v1/load_lora_adapter``) from inside this
     directory only; None: that API is off (as vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
+    lora_affinity: Bool = True
+    """Route an adapter request to a replica holding its adapter when its load allows (off: on load
+    and cached prefix only, e.g. where adapters load fast enough not to matter)."""
     max_body_bytes: Int = Field(8 * 1024 * 1024, ge=1)
     api_keys: tuple[Str, ...] = Field((), repr=False)
     """Strings of at least 8 characters; never shown in errors or logs."""
@@ -307,8 +310,8 @@ def engine_deployment_options(cfg: AppConfig) -> dict[str, Any]:
         options["num_replicas"] = cfg.num_replicas
     # The ingress routes with this router (found through router.inflight), and Serve with it too for
     # the calls it still makes (the first requests of an ingress, loads, aborts).
-    options["request_router_config"] = request_router_config(period_s=cfg.routing_stats_period_s,
-                                                             model_name=cfg.model_name)
+    options["request_router_config"] = request_router_config(
+        period_s=cfg.routing_stats_period_s, model_name=cfg.model_name, lora_affinity=cfg.lora_affinity)
     return options
 
 

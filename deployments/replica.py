@@ -254,8 +254,8 @@ class EngineReplica:
                 "healthy": self.healthy(), "updated_at": time.time(),
                 **({"link": self._link.address, "link_requests": self._link.requests}
                    if self._link_started is not None else {}),
-                **({"lora_loaded": list(s.lora_loaded), "lora_roots": s.lora_roots, "lora_paths": s.lora_paths}
-                   if s.max_loras else {}),
+                **({"lora_loaded": list(s.lora_loaded), "lora_roots": s.lora_roots, "lora_paths": s.lora_paths,
+                    "lora_loads": s.lora_loads, "lora_evictions": s.lora_evictions} if s.max_loras else {}),
                 # not read by the router; reported by GetLoad
                 "replica_id": self.replica_id, "kv_usage": s.kv_usage, "slot_occupancy": s.slot_occupancy,
                 "num_finished": s.num_finished, "prefix_cache_hits": s.prefix_cache_hits,

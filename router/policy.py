@@ -19,6 +19,7 @@ Stats that are missing, malformed or older than ``stale_after_s`` make a replica
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from dataclasses import dataclass, field, replace
@@ -173,10 +174,13 @@ def rank_replicas(
        ``load`` is within ``load_slack`` of the least loaded one (0.25: a quarter of the
        slots). Comparable replicas are ordered by whether they hold the request's LoRA
        ``adapter`` in a slot, then by longest cached prefix of the request (contiguous
-       leading blocks), then lower load, then at random; so a loaded adapter or a prefix hit
-       of one block beats a replica with slightly more free slots. The rest follow by load,
-       then adapter, then prefix, then at random: affinity never sends work to a much busier
-       replica, so a hot adapter spreads to more replicas as its load grows.
+       leading blocks), then, for an adapter request, by the adapter's ``home`` order of
+       replicas (rendezvous hashing: the same for every router, and no stats needed), then
+       lower load, then at random; so a loaded adapter or a prefix hit of one block beats a
+       replica with slightly more free slots, and an adapter no replica reports yet goes where
+       its earlier requests went. The rest follow by load, then adapter, then prefix, then at
+       random: affinity never sends work to a much busier replica, so a hot adapter spreads to
+       more replicas as its load grows.
     2. Replicas with **missing or stale** stats (older than ``stale_after_s``): power of
        two choices; two of them drawn at random share one rank (Serve takes the one with
        the shorter queue), the others follow in one rank.
@@ -187,7 +191,7 @@ def rank_replicas(
     Ties are broken with ``rng`` (one draw per candidate, in candidate order), so a
     seeded ``rng`` gives a reproducible ranking.
     """
-    room: list[tuple[float, tuple[bool, int], float, Hashable]] = []  # (load, (adapter, blocks), tie, id)
+    room: list[tuple[float, tuple[bool, int, int], float, Hashable]] = []  # (load, (adapter, blocks, home), tie, id)
     full: list[tuple[float, float, Hashable]] = []
     unknown: list[Hashable] = []
     sick: list[Hashable] = []
@@ -200,7 +204,9 @@ def rank_replicas(
         else:
             matched = c.prefix_match(request_hashes)
             if c.has_room(prompt_len, matched):
-                room.append((c.load, (adapter is not None and adapter in c.lora_loaded, matched), tie, c.replica_id))
+                home = 0 if adapter is None else adapter_home(adapter, c.replica_id)
+                room.append((c.load, (adapter is not None and adapter in c.lora_loaded, matched, home), tie,
+                             c.replica_id))
             else:
                 full.append((c.load, tie, c.replica_id))
 
@@ -208,7 +214,7 @@ def rank_replicas(
     reason = "fallback"
     if ranks:
         first = ranks[0][0]
-        has_adapter, blocks = next(m for _, m, _, rid in room if rid == first)
+        has_adapter, blocks, _ = next(m for _, m, _, rid in room if rid == first)
         reason = "prefix" if blocks > 0 else "lora" if has_adapter else "load"
     ranks += _power_of_two(unknown, rng)
     ranks += [[rid] for _, _, rid in sorted(full, key=lambda x: x[:2])]
@@ -217,12 +223,20 @@ def rank_replicas(
     return Ranking(ranks=ranks, saturated=not room and not unknown, reason=reason)
 
 
-def _order_with_room(room: list[tuple[float, tuple[bool, int], float, Hashable]], load_slack: float
+def adapter_home(adapter: str, replica_id: Hashable) -> int:
+    """The replica's rendezvous score for ``adapter``: the highest-scoring replica is its home. Stable
+    across processes (not Python's salted ``hash``), so every router sends it the same way."""
+    digest = hashlib.blake2b(f"{adapter}\0{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _order_with_room(room: list[tuple[float, tuple[bool, int, int], float, Hashable]], load_slack: float
                      ) -> list[Hashable]:
     if not room:
         return []
     ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9
-    comparable = sorted((x for x in room if x[0] <= ceiling), key=lambda x: (-x[1][0], -x[1][1], x[0], x[2]))
+    comparable = sorted((x for x in room if x[0] <= ceiling),
+                        key=lambda x: (-x[1][0], -x[1][1], -x[1][2], x[0], x[2]))
     busier = sorted((x for x in room if x[0] > ceiling), key=lambda x: (x[0], -x[1][0], -x[1][1], x[2]))
     return [x[3] for x in comparable + busier]
 
@@ -275,6 +289,8 @@ class RouterSettings:
     """Seed for tie-breaking; None draws from the OS."""
     model_name: str = ""
     """The ``model_name`` label of the router's metrics (the served model name)."""
+    lora_affinity: bool = True
+    """Prefer comparable replicas that hold the request's LoRA adapter; off: load and prefix only."""
 
     def __post_init__(self) -> None:
         if not _is_number(self.stale_after_s) or self.stale_after_s <= 0:
@@ -289,6 +305,8 @@ class RouterSettings:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.model_name, str):
             raise ValueError(f"model_name must be a string, got {self.model_name!r}")
+        if not isinstance(self.lora_affinity, bool):
+            raise ValueError(f"lora_affinity must be true or false, got {self.lora_affinity!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> RouterSettings:

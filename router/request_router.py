@@ -170,7 +170,8 @@ class SlotAwareRequestRouter(RequestRouter):
             except ValueError:  # ids no engine accepts: route on load, the replica rejects the request
                 pass
         ranking = rank_replicas(list(loads.values()), hashes, time.time(), self._rng, self._settings.stale_after_s,
-                                prompt_len=len(prompt), load_slack=self._settings.load_slack, adapter=adapter)
+                                prompt_len=len(prompt), load_slack=self._settings.load_slack,
+                                adapter=adapter if self._settings.lora_affinity else None)
         if prompt:  # a generate call (not stats / model_info)
             self._record_decision(ranking.reason)
             _note(request, ranking.reason)

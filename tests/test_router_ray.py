@@ -92,6 +92,23 @@ def test_adapter_ranks_from_routing_stats_and_asks_for_backoff():
     assert sorted(sum(ranks, [])) == ["busy", "cached", "new"] and ranks[-1] == ["new"]
 
 
+@pytest.mark.parametrize("affinity", [True, False])
+def test_adapter_prefers_the_replica_holding_the_lora_unless_affinity_is_off(affinity):
+    from types import SimpleNamespace
+
+    def lora_stats(running, loaded):
+        return {**_stats(running), "lora_loaded": loaded, "lora_roots": {"sql": "ab" * 32}}
+
+    replicas = [SimpleNamespace(replica_id="idle", routing_stats=lora_stats(0, [])),
+                SimpleNamespace(replica_id="holds-sql", routing_stats=lora_stats(2, ["sql"]))]
+    ranks, _ = _choose(_router(lora_affinity=affinity), replicas, [{"prompt_token_ids": PROMPT, "lora": "sql"}])
+    assert ranks[0] == (["holds-sql"] if affinity else ["idle"])
+    from router.request_router import request_router_config
+
+    with pytest.raises(ValueError, match="lora_affinity must be true or false"):
+        request_router_config(lora_affinity="yes")
+
+
 def test_adapter_spreads_a_burst_within_one_stats_period():
     from types import SimpleNamespace
 

@@ -106,6 +106,13 @@ def test_a_lora_adapter_by_model_name_over_both_protocols(service, tiny_model_di
     done = service.openai().completions.create(model="alpha", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
     assert done.choices[0].text == want.text
     assert list(service.stub.GetModelInfo(pb.GetModelInfoRequest()).lora_adapters) == ["alpha"]
+    # GetLoad shows where it sits and what loading it cost (the stats lag by a routing period).
+    deadline = time.monotonic() + 10
+    while not any("alpha" in r.lora_loaded for r in service.stub.GetLoad(pb.GetLoadRequest()).replicas):
+        assert time.monotonic() < deadline, "no replica reports the adapter in a slot"
+        time.sleep(0.2)
+    replicas = service.stub.GetLoad(pb.GetLoadRequest()).replicas
+    assert sum(r.lora_loads for r in replicas) >= 1 and all(r.lora_loads >= r.lora_evictions for r in replicas)
 
 
 def test_logit_bias_over_both_protocols_matches_the_offline_llm(service, tiny_model_dir):

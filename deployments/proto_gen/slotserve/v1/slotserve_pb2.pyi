@@ -301,7 +301,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("replica_id", "healthy", "running", "waiting", "max_num_seqs", "free_slots", "kv_blocks_used", "kv_blocks_total", "slot_occupancy", "kv_usage", "num_finished", "prefix_cache_hits", "prefix_cache_queries", "updated_at")
+    __slots__ = ("replica_id", "healthy", "running", "waiting", "max_num_seqs", "free_slots", "kv_blocks_used", "kv_blocks_total", "slot_occupancy", "kv_usage", "num_finished", "prefix_cache_hits", "prefix_cache_queries", "updated_at", "lora_loaded", "lora_loads", "lora_evictions")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +316,9 @@ class ReplicaLoad(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     healthy: bool
     running: int
@@ -330,7 +333,10 @@ class ReplicaLoad(_message.Message):
     prefix_cache_hits: int
     prefix_cache_queries: int
     updated_at: float
-    def __init__(self, replica_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., free_slots: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., slot_occupancy: _Optional[float] = ..., kv_usage: _Optional[float] = ..., num_finished: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., updated_at: _Optional[float] = ...) -> None: ...
+    lora_loaded: _containers.RepeatedScalarFieldContainer[str]
+    lora_loads: int
+    lora_evictions: int
+    def __init__(self, replica_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., free_slots: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., slot_occupancy: _Optional[float] = ..., kv_usage: _Optional[float] = ..., num_finished: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., updated_at: _Optional[float] = ..., lora_loaded: _Optional[_Iterable[str]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("replicas", "total_slots", "free_slots", "running", "waiting", "occupancy", "kv_usage")
