@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 from collections import Counter
 
@@ -9,7 +10,7 @@ import pytest
 
 from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import ROOT_HASH, prefix_routing_keys
-from router.policy import ReplicaLoad, RouterSettings, make_prefix_digest, rank_replicas
+from router.policy import ReplicaLoad, RouterSettings, adapter_home, make_prefix_digest, rank_replicas
 
 NOW = 1_000.0
 BS = 4
@@ -252,6 +253,21 @@ def test_a_hot_adapter_spreads_once_its_replica_is_much_busier():
     """Affinity holds within the load slack only: past it, a replica without the adapter loads it."""
     cands = [lora_load("a", running=6, loaded=["sql"]), lora_load("b", running=1)]
     assert flat(rank(cands, [], adapter="sql")) == ["b", "a"]
+
+
+def test_an_adapter_no_replica_holds_goes_home_whatever_the_router():
+    """Rendezvous order: every router (any seed) sends an unseen adapter's requests to the same
+    replica among comparable ones, different adapters to different replicas, never past the slack."""
+    cands = [lora_load(r, running=1 + (r == "b")) for r in "abcd"]
+    firsts = {a: {flat(rank(cands, [], adapter=a, seed=s))[0] for s in range(8)} for a in (f"x{i}" for i in range(32))}
+    assert all(len(f) == 1 for f in firsts.values())  # one home per adapter, whatever the seed
+    for a, (first,) in firsts.items():
+        assert first == max("abcd", key=lambda r: adapter_home(a, r))
+    homes = collections.Counter(f for (f,) in firsts.values())
+    assert set(homes) == set("abcd") and min(homes.values()) >= 3
+    home = max("ab", key=lambda r: adapter_home("x0", r))
+    busy = [lora_load(r, running=6 if r == home else 1) for r in "ab"]
+    assert flat(rank(busy, [], adapter="x0"))[0] != home
 
 
 def test_a_prefix_hit_counts_after_the_adapter():
