@@ -170,12 +170,16 @@ class ModelRunner:
         caches = [self.backend.allocate_cache(used, self.dtype, self.device) for _ in range(self.num_layers)]
         sampling = worst_case_sampling(len(chunks), self.device)
         left = MAX_SCORED_TOKENS  # and it scores as many prompt tokens as a step may: a logits row each
+        # With LoRA every token uses the last slot, so each projection's LoRA part reads all slots.
+        last_slot = -1 if self.lora is None else self.config.lora.max_loras - 1
         for i, c in enumerate(chunks):
             take = max(0, min(left, c.num_tokens - 1))
-            chunks[i] = dataclasses.replace(c, prompt_logprob_positions=range(take))
+            chunks[i] = dataclasses.replace(c, prompt_logprob_positions=range(take), lora_slot=last_slot)
             left -= take
 
         def step():
+            if self.lora is not None:
+                self.lora.set_step(order_chunks(chunks)[0], self.device)
             _, input_ids, positions, meta, logits_idx = build_step_inputs(chunks, self.block_size, self.device)
             self.backend.plan(meta)
             logits = self.model(input_ids, positions, caches, meta, logits_idx)
@@ -186,6 +190,8 @@ class ModelRunner:
         try:
             return measure_peak(step, self.device)
         finally:
+            if self.lora is not None:
+                self.lora.step.set(None)
             caches.clear()
             torch.cuda.empty_cache()
 

@@ -62,19 +62,49 @@ def test_worst_case_sampling_runs_the_sampler_on_every_filter():
     assert all(t in top50[i].tolist() for i, t in enumerate(tokens)) and logprobs == [None] * 5
 
 
+def test_the_profiled_step_runs_every_lora_slot(tmp_path, monkeypatch):
+    """The GPU budget's largest step includes LoRA at its widest: each projection reads all slots
+    (its intermediates grow with max_loras x rank x tokens)."""
+    from engine import LLM
+    from engine import runner as runner_module
+    from engine.lora.layers import LoRAStep
+    from tests.factories import make_lora_dir
+
+    path = make_model_dir(tmp_path, "llama", seed=2, with_tokenizer=False)
+    adapter = str(make_lora_dir(path, tmp_path / "lora", rank=4))
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, lora=dict(adapters={"a": adapter}, max_loras=3,
+                                                                       max_lora_rank=4))
+    runner, widths = llm.engine.runner, []
+    real_set = LoRAStep.set
+    monkeypatch.setattr(LoRAStep, "set", lambda self, slots, n=0: (widths.append((slots is not None, n)),
+                                                                   real_set(self, slots, n))[1])
+    monkeypatch.setattr(runner_module, "measure_peak", lambda step, device: step() or 0)
+    runner._profile_largest_step()
+    assert widths == [(True, 3), (False, 0)]  # every slot, then nothing left set for the next step
+    assert runner.lora.step.slots is None
+
+
 @pytest.mark.gpu
-def test_engine_stays_within_its_gpu_budget_at_full_load(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "32-adapters-rank-64"])
+def test_engine_stays_within_its_gpu_budget_at_full_load(tmp_path, lora):
     from engine import LLM, SamplingParams
+    from tests.factories import make_lora_dir
 
     path = make_model_dir(tmp_path, "llama", seed=2, with_tokenizer=False, hidden=256, heads=8, kv_heads=2,
                           max_pos=2048)
+    names = [None] * 32
+    options = {}
+    if lora:  # one adapter under 32 names: 32 slots, each step reads them all
+        adapter = str(make_lora_dir(path, tmp_path / "lora", rank=64))
+        names = [f"a{i}" for i in range(32)]
+        options["lora"] = dict(adapters=dict.fromkeys(names, adapter), max_loras=32, max_lora_rank=64)
     torch.cuda.reset_peak_memory_stats()
     util = 0.3
     llm = LLM(str(path), device="cuda", dtype="bfloat16", gpu_memory_utilization=util, max_num_seqs=32,
-              max_model_len=2048, max_num_batched_tokens=4096)
+              max_model_len=2048, max_num_batched_tokens=4096, **options)
     # Every slot at (nearly) full length at once.
     prompts = [{"prompt_token_ids": [3 + i] * 1900} for i in range(32)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=140, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=140, ignore_eos=True), lora=names)
     assert all(len(o.outputs[0].token_ids) == 140 for o in outs)
     _, total = torch.cuda.mem_get_info()
     assert torch.cuda.max_memory_reserved() <= util * total
