@@ -244,6 +244,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
+            scored_left = self._scored_left
             n = self._cap_scored(req, n)
             if n <= 0:
                 break
@@ -256,11 +257,13 @@ class Scheduler:
                 except AdapterLoadError as exc:
                     self._pop_candidate()
                     self.unservable.append((req, str(exc)))
+                    self._scored_left = scored_left  # it takes no step: its share goes to the next
                     continue
                 if slot is None:  # every slot is held by running requests of other adapters
                     if self.static:
                         break
                     passed_over.append(heapq.heappop(self.waiting)[2])  # others may still run
+                    self._scored_left = scored_left
                     continue
                 req.lora_slot = slot
             self._pop_candidate()

@@ -153,6 +153,26 @@ def test_tensor_parallel_mixed_batch_equals_hf_peft(base, adapters, expected):
         llm.shutdown()
 
 
+def test_a_passed_over_request_leaves_its_prompt_scoring_share_to_the_next(base, adapters):
+    """Prompt logprobs are scored up to MAX_SCORED_TOKENS a step; a request passed over for want of
+    an adapter slot takes no share of them."""
+    from engine.scheduler import MAX_SCORED_TOKENS
+
+    llm = _llm(base, adapters, dict(max_loras=1), num_kv_blocks=256)
+    engine = llm.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), lora="all-r4")
+    engine.step()  # it holds the only slot from now on
+    prompt = [(11 * i) % 200 + 3 for i in range(MAX_SCORED_TOKENS // 2 + 60)]
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=0)
+    engine.add_request(prompt, scored, request_id="other-adapter", lora="qv-down-r8")
+    engine.add_request(prompt[::-1], scored, request_id="base")
+    engine.step()
+    (base_req,) = engine.requests["base"]
+    assert base_req.num_computed_tokens == len(prompt)  # scored whole, not the share left after the other
+    (passed,) = engine.requests["other-adapter"]
+    assert passed.num_computed_tokens == 0
+
+
 def test_adapters_never_share_cached_kv(base, adapters, tmp_path):
     llm = _llm(base, adapters, dict(max_loras=2), num_kv_blocks=64)
     prompt = {"prompt_token_ids": list(range(5, 40))}  # 4 full blocks of 8
@@ -298,17 +318,19 @@ def test_default_model_with_an_adapter_equals_hf_peft(default_model_dir, tmp_pat
     assert [list(o.outputs[0].token_ids) for o in outs] == want
 
 
-def test_stats_say_which_adapters_run_wait_and_sit_in_slots(base, adapters):
-    llm = _llm(base, adapters, dict(max_loras=1), num_kv_blocks=64)
+@pytest.mark.parametrize("scheduling", ["continuous", "static"])
+def test_stats_say_which_adapters_run_wait_and_sit_in_slots(base, adapters, scheduling):
+    llm = _llm(base, adapters, dict(max_loras=1), num_kv_blocks=64, scheduling=scheduling)
     engine = llm.engine
     engine.add_request(PROMPTS[0], GREEDY, lora="all-r4")
     engine.add_request(PROMPTS[1], GREEDY, lora="qv-down-r8")  # waits: the one slot is held
-    engine.add_request(PROMPTS[2], GREEDY)
+    engine.add_request(PROMPTS[2], GREEDY)  # runs meanwhile, unless a static batch keeps its order
     engine.step()
     stats = engine.stats()
     assert stats.lora_loaded == ("all-r4",) and stats.max_loras == 1
     assert stats.lora_running == {"all-r4": 1} and stats.lora_waiting == {"qv-down-r8": 1}
-    assert stats.running == 2 and stats.lora_loads == 1 and stats.lora_evictions == 0
+    assert stats.running == (2 if scheduling == "continuous" else 1)
+    assert stats.lora_loads == 1 and stats.lora_evictions == 0
     assert stats.lora_roots == {name: engine.adapter(name).root_hash.hex() for name in ADAPTERS}
     while engine.has_unfinished():
         engine.step()
