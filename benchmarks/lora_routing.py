@@ -9,9 +9,10 @@ clients. Each request names an adapter drawn from a Zipf law of exponent ``--zip
 adapters, a long tail), the same sequence for every run. It runs twice: with the router's
 ``lora_affinity`` on (the default), then off (routing on load and cached prefix only).
 
-The replicas' own counters (``GetLoad``: ``lora_loads``, ``lora_evictions``) give the figures.
-Every load is a request that found its adapter in no slot of its replica, so the **hit rate**
-is ``1 - loads / requests``. The report also gives throughput and latency, so a hit rate bought
+The replicas' own counters (``GetLoad``: ``lora_loads``, ``lora_evictions``) give the figures,
+read once they stop changing (they lag a routing period). Each load is made by the admission of
+a request whose adapter sits in no slot of its replica, so the **hit rate**, the share of
+admissions that found their adapter in a slot, is ``1 - loads / requests``. The report also gives throughput and latency, so a hit rate bought
 by piling requests onto one replica would show.
 """
 
@@ -56,6 +57,22 @@ def _one(stub, pb, index: int, name: str, max_tokens: int) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
+def _settled(stub, load_report, timeout_s: float = 10.0):
+    """GetLoad's replicas once two reads a second apart agree on every counter the report uses."""
+    def counters(replicas):
+        return [(r.replica_id, r.lora_loads, r.lora_evictions, r.num_finished) for r in replicas]
+
+    last = load_report(stub).replicas
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = load_report(stub).replicas
+        if counters(now) == counters(last):
+            return now
+        last = now
+    return last
+
+
 def run_once(model_dir: str, adapters: dict[str, str], names: list[str], args, affinity: bool) -> dict:
     from benchmarks.overload_load import capacity, load_report, served
     from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
@@ -75,7 +92,7 @@ def run_once(model_dir: str, adapters: dict[str, str], names: list[str], args, a
                 tokens += n
                 bar.update()
         wall = time.perf_counter() - t0
-        replicas = load_report(stub).replicas
+        replicas = _settled(stub, load_report)
     loads = sum(r.lora_loads for r in replicas)
     return {"lora_affinity": affinity, "requests": len(names), "loads": loads,
             "evictions": sum(r.lora_evictions for r in replicas), "hit_rate": 1 - loads / len(names),

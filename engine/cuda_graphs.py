@@ -57,6 +57,8 @@ def smallest_fit(buckets: list[int], n: int) -> int | None:
 class GraphKey:
     batch: int
     context: int
+    lora: bool = False
+    """A LoRA engine's steps with an adapter row (they read every slot); steps without one skip LoRA."""
 
 
 def decode_metadata(table: BlockTable, rows: torch.Tensor, positions: torch.Tensor, context: int,
@@ -104,7 +106,8 @@ class DecodeGraphs:
 
     @property
     def keys(self) -> list[GraphKey]:
-        return [GraphKey(b, c) for b in self.batches for c in self.contexts]
+        variants = (False, True) if self.lora_step is not None else (False,)
+        return [GraphKey(b, c, lora) for b in self.batches for c in self.contexts for lora in variants]
 
     def key_for(self, chunks) -> GraphKey | None:
         """The bucket a decode-only step fits, else None (it runs eagerly)."""
@@ -112,7 +115,8 @@ class DecodeGraphs:
             return None
         batch = smallest_fit(self.batches, len(chunks))
         context = smallest_fit(self.contexts, max(c.start for c in chunks) + 1)
-        return None if batch is None or context is None else GraphKey(batch, context)
+        lora = self.lora_step is not None and any(c.lora_slot >= 0 for c in chunks)
+        return None if batch is None or context is None else GraphKey(batch, context, lora)
 
     def run(self, chunks, key: GraphKey) -> torch.Tensor:
         """Logits ``[len(chunks), vocab]`` of a decode step that fits ``key``, rows in chunk order."""
@@ -131,11 +135,17 @@ class DecodeGraphs:
 
     def _forward(self, key: GraphKey) -> None:
         ids, positions, rows, lora_slots = self._inputs[:, :key.batch]
-        if self.lora_step is not None:
+        if key.lora:
             self.lora_step.set(lora_slots, self.lora_step.max_loras)
+        elif self.lora_step is not None:
+            self.lora_step.set(None)
         meta = decode_metadata(self.table, rows, positions, key.context, self.block_size)
         self.backend.plan(meta)
-        logits = self.forward(ids, positions, self.kv_caches, meta, self._sample_all[:key.batch])
+        try:
+            logits = self.forward(ids, positions, self.kv_caches, meta, self._sample_all[:key.batch])
+        finally:  # nothing of the graph's buffers stays in the host state an eager step could read
+            if self.lora_step is not None:
+                self.lora_step.set(None)
         self._logits[:key.batch].copy_(logits)
 
     def capture(self) -> None:

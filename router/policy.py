@@ -150,8 +150,9 @@ class Ranking:
     """No replica is known to have room: the request will queue in an engine (or Serve backs off)."""
     reason: str = "load"
     """Why the first choice: ``prefix`` (a replica with room holding the request's prefix),
-    ``load`` (a replica with room, no cached prefix) or ``fallback`` (none known to have room:
-    stats missing or stale, all full, or unhealthy)."""
+    ``lora`` (the request's adapter picked among comparable replicas: one holding it, or its
+    home), ``load`` (a replica with room, on load alone) or ``fallback`` (none known to have
+    room: stats missing or stale, all full, or unhealthy)."""
 
 
 def rank_replicas(
@@ -215,7 +216,9 @@ def rank_replicas(
     if ranks:
         first = ranks[0][0]
         has_adapter, blocks, _ = next(m for _, m, _, rid in room if rid == first)
-        reason = "prefix" if blocks > 0 else "lora" if has_adapter else "load"
+        ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9
+        homed = adapter is not None and sum(load <= ceiling for load, _, _, _ in room) > 1
+        reason = "prefix" if blocks > 0 else "lora" if has_adapter or homed else "load"
     ranks += _power_of_two(unknown, rng)
     ranks += [[rid] for _, _, rid in sorted(full, key=lambda x: x[:2])]
     if sick:
@@ -234,7 +237,7 @@ def _order_with_room(room: list[tuple[float, tuple[bool, int, int], float, Hasha
                      ) -> list[Hashable]:
     if not room:
         return []
-    ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9
+    ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9  # as rank_replicas' reason
     comparable = sorted((x for x in room if x[0] <= ceiling),
                         key=lambda x: (-x[1][0], -x[1][1], -x[1][2], x[0], x[2]))
     busier = sorted((x for x in room if x[0] > ceiling), key=lambda x: (x[0], -x[1][0], -x[1][1], x[2]))

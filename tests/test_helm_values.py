@@ -42,7 +42,9 @@ def test_bad_value_fails_the_schema_naming_it(chart, values, named):
     ({"replica": {"numCpus": 9}}, "no worker group can hold one engine replica"),
     ({"extraAppArgs": {"drain_timeout_s": 5}}, "extraAppArgs.drain_timeout_s"),
     ({"fullnameOverride": "1st-serving"}, "must start with a letter"),
-    ({"loraStore": {"enabled": True}}, "loraStore.existingClaim: name the claim holding the adapters"),
+    ({"loraStore": {"enabled": True}, "engine": {"lora": {"max_loras": 2}}},
+     "loraStore.existingClaim: name the claim holding the adapters"),
+    ({"loraStore": {"enabled": True, "existingClaim": "adapters"}}, "loraStore.enabled: the engine serves no LoRA"),
     ({"tls": {"existingSecret": "certs"}}, "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP"),
 ])
 def test_inconsistent_values_fail_rendering(chart, values, message):

@@ -85,8 +85,8 @@ KNOBS = {
 
 
 def _llm(base, adapters, lora_opts, **kw) -> LLM:
-    return LLM(str(base), dtype="float32", block_size=8, max_num_seqs=8,
-               lora=dict(adapters=adapters, max_lora_rank=8, **lora_opts), **kw)
+    return LLM(str(base), **{"dtype": "float32", "block_size": 8, "max_num_seqs": 8, **kw},
+               lora=dict(adapters=adapters, max_lora_rank=8, **lora_opts))
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
@@ -114,20 +114,26 @@ def _through_decode_graphs(llm: LLM) -> list:
                                      runner.block_size, llm.engine.config.scheduler.max_num_seqs,
                                      runner.max_model_len, llm.engine.vocab_size, runner.device, runner.lora.step)
     used, run = [], runner.graphs.run
-    runner.graphs.run = lambda chunks, key: (used.append(key), run(chunks, key))[1]
+    runner.graphs.run = lambda chunks, key: (used.append((key, len(chunks))), run(chunks, key))[1]
     return used
 
 
 def test_compiled_model_and_decode_graph_path_equal_hf_peft(base, adapters, expected):
     """The compiled model reads the step's adapters through its opaque op: first chunks with the
     slots in use, decode steps through the graphs' static path with every slot read and each row's
-    slot from the graphs' input buffer (padding rows: none)."""
+    slot from the graphs' input buffer (padding rows: none). On CPU that path runs uncaptured and
+    sets the step each time; replays that read only the buffer are the CUDA test's."""
     llm = _llm(base, adapters, dict(max_loras=4), num_kv_blocks=256, enforce_eager=False, compile_model=True,
-               attention_backend="torch")
+               attention_backend="torch", max_num_seqs=6)
     assert llm.engine.runner.compiled is not None
     used = _through_decode_graphs(llm)
+    llm.engine.runner.graphs.batches = [6]  # waves of 6, 6 and 4 requests: the last one pads
     assert _run(llm) == _want(expected)
-    assert used and any(k.batch > 1 for k in used)
+    assert any(k.lora and n < k.batch for k, n in used)  # an adapter step with padding rows
+    # A batch with no adapter row replays the graphs without LoRA.
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [expected[tuple(p), None] for p in PROMPTS]
+    assert any(not k.lora for k, _ in used)
 
 
 @pytest.mark.gpu
@@ -140,7 +146,7 @@ def test_mixed_batch_on_cuda_equals_hf_peft(base, adapters, expected, eager):
     assert (runner.graphs is None) == eager
     used = [] if eager else _through_decode_graphs(llm)
     assert _run(llm) == _want(expected)
-    assert eager or used
+    assert eager or any(k.lora for k, _ in used)
     assert llm.engine.lora.num_evictions > 0
 
 

@@ -265,9 +265,11 @@ def test_an_adapter_no_replica_holds_goes_home_whatever_the_router():
         assert first == max("abcd", key=lambda r: adapter_home(a, r))
     homes = collections.Counter(f for (f,) in firsts.values())
     assert set(homes) == set("abcd") and min(homes.values()) >= 3
+    assert rank(cands, [], adapter="x0").reason == "lora" and rank(cands, []).reason == "load"
     home = max("ab", key=lambda r: adapter_home("x0", r))
     busy = [lora_load(r, running=6 if r == home else 1) for r in "ab"]
-    assert flat(rank(busy, [], adapter="x0"))[0] != home
+    ranking = rank(busy, [], adapter="x0")
+    assert flat(ranking)[0] != home and ranking.reason == "load"  # one comparable replica: load decided
 
 
 def test_a_prefix_hit_counts_after_the_adapter():

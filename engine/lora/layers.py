@@ -13,9 +13,10 @@ is ``n * parts * rank * (in + out)`` per token, against ``in * out`` for the bas
 with the adapters a replica holds at once, not with the requests. Ranks below
 ``max_lora_rank`` are zero-padded and the scaling is folded into B.
 
-A compiled model reaches ``delta`` through an opaque op, and a decode CUDA graph captures it with
-``n`` = every slot and the token -> slot map in the graph's input buffer (engine.cuda_graphs):
-slots are written in place, so a replay reads whatever adapters the slots hold now.
+A compiled model reaches ``delta`` through an opaque op, and a decode CUDA graph of steps with an
+adapter row captures it with ``n`` = every slot and the token -> slot map in the graph's input
+buffer (engine.cuda_graphs; steps with no adapter row have graphs without LoRA): slots are
+written in place, so a replay reads whatever adapters the slots hold now.
 
 Tensor parallelism cuts A and B with the base layer's own loaders: column-parallel projections
 keep A whole and split B's rows like their weight; row-parallel ones split A's columns like
@@ -51,7 +52,7 @@ class LoRAStep:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.slots: torch.Tensor | None = None
         self.num_slots = 0
-        """One past the highest slot this step uses: the stacked weights beyond are not read."""
+        """Slots this step's LoRA reads: one past the highest one it uses (every slot in a CUDA graph)."""
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def set(self, slots: torch.Tensor | None, num_slots: int = 0) -> None:

@@ -105,6 +105,8 @@ class LinearBase(nn.Module):
             else:
                 out = linear(x, self.weight, self.bias if with_bias else None, None)
             if self.lora is not None:
+                if self.lora.index < 0:
+                    raise RuntimeError("LoRA weights were attached after the model was compiled")
                 out = out + torch.ops.slotserve.lora_delta(x, self.lora.index, out.shape[-1])
             return out
         out = linear(x, self.weight, self.bias if with_bias else None, self.packed)

@@ -38,6 +38,9 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
 {{- $_ := set $args "request_timeout_s" $v.limits.requestTimeoutSeconds }}
 {{- end }}
 {{- if $v.loraStore.enabled }}
+{{- if not $v.engine.lora }}
+{{- fail "loraStore.enabled: the engine serves no LoRA adapters; set engine.lora (e.g. {max_loras: 8, max_lora_rank: 16})" }}
+{{- end }}
 {{- $_ := set $args "lora_load_dir" $v.loraStore.mountPath }}
 {{- end }}
 {{- if $v.apiKeys.existingSecret }}
