@@ -12,8 +12,8 @@ adapters, a long tail), the same sequence for every run. It runs twice: with the
 The replicas' own counters (``GetLoad``: ``lora_loads``, ``lora_evictions``) give the figures,
 read once they stop changing (they lag a routing period). Each load is made by the admission of
 a request whose adapter sits in no slot of its replica, so the **hit rate**, the share of
-admissions that found their adapter in a slot, is ``1 - loads / requests``. The report also gives throughput and latency, so a hit rate bought
-by piling requests onto one replica would show.
+admissions that found their adapter in a slot, is ``1 - loads / requests``. The report also
+gives throughput and latency, so a hit rate bought by piling requests onto one replica would show.
 """
 
 from __future__ import annotations

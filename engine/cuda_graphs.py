@@ -6,9 +6,9 @@ context bucket): the step's rows are padded up to the batch bucket, and its long
 context picks the context bucket (the torch backend's padded batch grows with it; the
 paged kernels of every other backend need one context bucket). Inputs live in static buffers:
 token ids, positions, block-table rows and, with LoRA, each row's adapter slot; the block table,
-slot mapping, KV lengths and cu_seqlens are derived on the device inside the graph. Padding rows read and write only the scratch
-block, which the block manager never hands out. Steps with a prefill chunk, or that fit no
-bucket, run eagerly. Without capture (CPU, tests) the same static path runs eagerly.
+slot mapping, KV lengths and cu_seqlens are derived on the device inside the graph. Padding rows
+read and write only the scratch block, which the block manager never hands out. Steps with a
+prefill chunk, or that fit no bucket, run eagerly. Without capture (CPU, tests) the same static path runs eagerly.
 """
 
 from __future__ import annotations
