@@ -25,7 +25,7 @@ from engine.lora import LoRAManager
 from engine.lora.engine_api import EngineAdapters
 from engine.model import ModelArch
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler
@@ -305,7 +305,8 @@ class LLMEngine(EngineAdapters):
         return outputs
 
     def _append_token(self, req: Request, tok: int, lp: dict | None, now: float) -> StreamOutput:
-        req.token_ids.append(tok)
+        token_ids = req.token_ids
+        token_ids.append(tok)
         first = req.timing.first_token_time is None
         if first:
             req.timing.first_token_time = now
@@ -315,7 +316,7 @@ class LLMEngine(EngineAdapters):
                 self.scheduler.add(sibling)
             self._num_held -= len(req.held)
             req.held = []
-        n_out = req.num_output_tokens
+        n_out = len(token_ids) - req.num_prompt_tokens
         p = req.params
         reason = None
         if req.matcher is not None:
@@ -323,11 +324,11 @@ class LLMEngine(EngineAdapters):
         if reason != FINISH_ABORT and n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
             reason, req.stop_token_id = FINISH_STOP, tok
         if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
-                               or req.num_tokens >= req.max_total_tokens):
+                               or len(token_ids) >= req.max_total_tokens):
             reason = FINISH_LENGTH
         if reason is not None:
             self.finish(req, reason, now)
-        out = self._output(req, [tok], [lp] if lp is not None else None)
+        out = self._output(req, [tok], None if lp is None else [lp])
         if first:
             out.prompt_logprobs = req.prompt_logprobs
         return out
@@ -346,16 +347,14 @@ class LLMEngine(EngineAdapters):
 
     def _output(self, req: Request, new_ids: list[int], lps: list | None,
                 choices_running: int | None = None) -> StreamOutput:
-        done = req.finished
+        done = req.status is RequestStatus.FINISHED
         if choices_running is None:
             choices_running = len(self.requests.get(req.request_id, ()))
+        # Positional, in field order: half the cost of keywords, once per request per step.
         return StreamOutput(
-            request_id=req.request_id, index=req.index, choices_running=choices_running,
-            new_token_ids=new_ids, finished=done,
-            finish_reason=req.finish_reason if done else None, stop_token_id=req.stop_token_id,
-            new_logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
-            timing=req.timing)
+            req.request_id, new_ids, done, req.finish_reason if done else None, req.stop_token_id, lps,
+            req.num_prompt_tokens, len(req.token_ids) - req.num_prompt_tokens, req.num_cached_tokens, req.timing,
+            req.index, choices_running)
 
     # ------------------------------------------------------------------ tensor-parallel ranks
     def check_health(self) -> None:

@@ -210,7 +210,7 @@ class ModelRunner:
             self.send_step(chunks)
         tb = time.perf_counter()
         scored = []  # (request, positions) in build_step_inputs' order: their rows follow the sampling rows
-        if any(c.request.needs_prompt_logprobs for c in chunks):
+        if any(c.request.prompt_logprobs is not None for c in chunks):  # (a cheap test: most steps have none)
             scored = [(c.request, c.prompt_logprob_positions) for c in order_chunks(chunks)[0]
                       if c.prompt_logprob_positions]
         key = self.graphs.key_for(chunks) if self.graphs is not None and not scored else None

@@ -10,10 +10,13 @@ recomputed. One draw per row, not per vocabulary entry: Gumbel noise over the vo
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
 
+from engine.host_tensors import host_tensor
 from engine.request import Request
 from engine.structured import mask_logits
 
@@ -70,39 +73,46 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, requests: list[Request], device: torch.device) -> "SamplingBatch":
-        ps = [r.params for r in requests]
-        temps = [p.temperature for p in ps]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in ps]
-        top_p = [p.top_p for p in ps]
-        min_p = [p.min_p for p in ps]
-        lp = [p.logprobs for p in ps if p.logprobs is not None]
+        # Each request's parameters are read once and cached on it: a step only zips the rows.
+        rows = [r.sampling_row or _sampling_row(r) for r in requests]
+        temps, top_p, min_p, top_k, seeds, logprobs, kinds = (list(c) for c in zip(*rows))
+        some, every = functools.reduce(operator.or_, kinds), functools.reduce(operator.and_, kinds)
         # Two host-to-device copies that do not wait for the GPU (the step syncs once, on its tokens).
-        floats = torch.tensor([temps, top_p, min_p], dtype=torch.float32)
-        ints = torch.tensor([top_k, [r.seed for r in requests], [r.num_output_tokens for r in requests]],
-                            dtype=torch.int64)
+        floats = host_tensor(torch.float32, temps, top_p, min_p).view(3, -1)
+        ints = host_tensor(torch.int64, top_k, seeds,
+                           [len(r.token_ids) - r.num_prompt_tokens for r in requests]).view(3, -1)
         if torch.device(device).type != "cpu":
-            floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+            # Pinned (torch's host allocator caches the pages): a copy from pageable memory would block.
+            floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
         temperature, top_p_t, min_p_t = floats.unbind()
-        top_k_t, seeds, positions = ints.unbind()
+        top_k_t, seeds_t, positions = ints.unbind()
+        most_logprobs = max(logprobs)
         return cls(
-            requests=requests,
-            temperature=temperature,
-            top_k=top_k_t,
-            top_p=top_p_t,
-            min_p=min_p_t,
-            seeds=seeds,
-            positions=positions,
-            all_greedy=all(t < SAMPLING_EPS for t in temps),
-            all_random=all(t >= SAMPLING_EPS for t in temps),
-            any_top_k=any(k > 0 for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
-            any_min_p=any(p > 0.0 for p in min_p),
-            any_penalty=any(p.uses_penalties for p in ps),
-            any_min_tokens=any(r.num_output_tokens < r.params.min_tokens for r in requests),
-            any_logit_bias=any(p.logit_bias for p in ps),
+            requests=requests, temperature=temperature, top_k=top_k_t, top_p=top_p_t, min_p=min_p_t,
+            seeds=seeds_t, positions=positions,
+            all_greedy=bool(every & _GREEDY), all_random=not some & _GREEDY,
+            any_top_k=bool(some & _TOP_K), any_top_p=bool(some & _TOP_P), any_min_p=bool(some & _MIN_P),
+            any_penalty=bool(some & _PENALTY), any_logit_bias=bool(some & _LOGIT_BIAS),
+            any_min_tokens=bool(some & _MIN_TOKENS) and any(r.num_output_tokens < r.params.min_tokens
+                                                            for r in requests),
             any_structured=any(r.matcher is not None for r in requests),
-            max_logprobs=max(lp) if lp else None,
+            max_logprobs=most_logprobs if most_logprobs >= 0 else None,
         )
+
+
+_GREEDY, _TOP_K, _TOP_P, _MIN_P, _PENALTY, _LOGIT_BIAS, _MIN_TOKENS = (1 << i for i in range(7))
+
+
+def _sampling_row(r: Request) -> tuple:
+    """(temperature, top_p, min_p, top_k, seed, logprobs or -1, feature bits) of a request, cached on it."""
+    p = r.params
+    kinds = ((_GREEDY if p.temperature < SAMPLING_EPS else 0) | (_TOP_K if p.top_k > 0 else 0)
+             | (_TOP_P if p.top_p < 1.0 else 0) | (_MIN_P if p.min_p > 0.0 else 0)
+             | (_PENALTY if p.uses_penalties else 0) | (_LOGIT_BIAS if p.logit_bias else 0)
+             | (_MIN_TOKENS if p.min_tokens > 0 else 0))
+    r.sampling_row = (p.temperature, p.top_p, p.min_p, max(p.top_k, 0), r.seed,
+                      -1 if p.logprobs is None else p.logprobs, kinds)
+    return r.sampling_row
 
 
 class Sampler:

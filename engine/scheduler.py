@@ -143,23 +143,27 @@ class Scheduler:
         scheduled: dict[int, ScheduledChunk] = {}
         # Decodes before the rest of chunked prefills (a recomputed request keeps its old
         # seq_no and would otherwise take the whole budget ahead of decoding requests).
-        self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.priority, r.seq_no))
+        self.running.sort(key=lambda r: (len(r.token_ids) - r.num_computed_tokens > 1, r.priority, r.seq_no))
+        block_size = self.blocks.block_size
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._cap_scored(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if req.prompt_logprobs is not None:
+                n = self._cap_scored(req, n)
             if n <= 0:
                 continue
-            if not self._reserve(req, n, scheduled, out):
+            held = len(req.block_ids) * block_size  # most decodes fit in the blocks held: nothing to reserve
+            if req.num_computed_tokens + n > held and not self._reserve(req, n, scheduled, out):
                 continue
             chunk = ScheduledChunk(req, req.num_computed_tokens, n)
             scheduled[req.seq_no] = chunk
             budget -= n
-        # Refund budget of chunks whose request was preempted after being scheduled.
-        budget = self.token_budget - sum(c.num_tokens for c in scheduled.values())
-        if not out.preempted:
+        if out.preempted:  # refund the budget of chunks whose request was preempted after being scheduled
+            budget = self.token_budget - sum(c.num_tokens for c in scheduled.values())
+        else:
             budget = self._admit(budget, scheduled, out)
         # Decodes first: cheaper metadata and it keeps the contract stable for the runner.
         out.chunks = sorted(scheduled.values(), key=lambda c: c.num_tokens > 1)

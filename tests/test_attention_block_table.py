@@ -91,3 +91,15 @@ def test_only_blocks_added_since_the_last_step_are_written():
     b.append(6)
     rows = table.update([RemoteChunk(0, 5, True, [0] * 5, [7, 8]), RemoteChunk(4, 1, True, [0], b)], 4)
     assert table.table[rows].tolist() == [[7, 8, 0, 0, 0, 0, 0, 0], [-1, 6, 0, 0, 0, 0, 0, 0]]
+
+
+def test_a_chunk_needing_more_blocks_than_it_holds_or_the_row_fits_is_an_error():
+    table = BlockTable(2, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs 2 blocks; its request holds 1"):
+        table.update([RemoteChunk(0, 5, True, [0] * 5, [3])], 4)
+    with pytest.raises(ValueError, match="needs 3 blocks; its request holds 3, the block table 2"):
+        table.update([RemoteChunk(0, 9, True, [0] * 9, [3, 4, 5])], 4)
+    grown = [3]
+    table.update([RemoteChunk(0, 4, True, [0] * 4, grown)], 4)
+    with pytest.raises(ValueError, match="needs 2 blocks; its request holds 1"):  # a list it holds, grown short
+        table.update([RemoteChunk(4, 1, True, [0], grown)], 4)

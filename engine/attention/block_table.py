@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.host_tensors import host_tensor
+
 
 class BlockTable:
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device, pad_block: int = 0) -> None:
@@ -25,44 +27,55 @@ class BlockTable:
         self.table[self.pad_row] = pad_block
         self._free = list(range(max_rows - 1, -1, -1))
         self._high = [0] * max_rows  # per row: entries past this are 0
-        # id(block list) -> (the list, its row, blocks written)
-        self._rows: dict[int, tuple[list[int], int, int]] = {}
+        # id(block list) -> [the list, its row, blocks written, the last step that listed it]
+        self._rows: dict[int, list] = {}
+        self._step = 0
 
     def update(self, chunks, block_size: int) -> list[int]:
-        """Write what changed for this step's ``chunks``; returns their rows, in order."""
-        keep = {id(c.block_ids) for c in chunks}
-        previous = self._rows
-        for key, (_, row, _) in previous.items():
-            if key not in keep:
-                self._free.append(row)
-        self._rows = {}
+        """Write what changed for this step's ``chunks``; returns their rows, in order.
+
+        Most steps only extend lists the table already holds, so those are handled in one pass;
+        rows of requests that left are freed before new lists take rows."""
+        self._step = step = self._step + 1
+        entries, width = self._rows, self.max_blocks
+        rows: list[int] = []
         index: list[int] = []
         values: list[int] = []
-        rows = []
-        width = self.max_blocks
+        new: list[int] = []  # positions of chunks whose block list the table does not hold
         for c in chunks:
             blocks = c.block_ids
             need = -(-(c.start + c.num_tokens) // block_size)
-            if not need <= len(blocks) and need <= width:
-                raise ValueError(f"a chunk needs {need} blocks; its request holds {len(blocks)}, "
-                                 f"the block table {width} per request")
-            entry = previous.get(id(blocks))
-            if entry is not None and entry[0] is blocks and entry[2] <= need:
-                row, first = entry[1], entry[2]
-            else:
-                row = entry[1] if entry is not None else self._free.pop()
-                first = 0
-            end = max(need, self._high[row]) if first == 0 else need
-            if end > first:
-                base = row * width
-                index.extend(range(base + first, base + end))
-                values.extend(blocks[first:need])
-                values.extend([0] * (end - need))
-            self._high[row] = need
-            self._rows[id(blocks)] = (blocks, row, need)
+            entry = entries.get(id(blocks))
+            if entry is None or entry[0] is not blocks or entry[2] > need:
+                new.append(len(rows))
+                rows.append(-1)
+                continue
+            entry[3] = step
+            row, written = entry[1], entry[2]
+            if need > written:
+                _check(need, blocks, width)
+                index.extend(range(row * width + written, row * width + need))
+                values.extend(blocks[written:need])
+                entry[2] = self._high[row] = need
             rows.append(row)
+        if len(entries) > len(rows) - len(new):  # some requests left (or have a new list)
+            for key in [k for k, e in entries.items() if e[3] != step]:
+                self._free.append(entries.pop(key)[1])
+        for i in new:
+            c = chunks[i]
+            blocks = c.block_ids
+            need = -(-(c.start + c.num_tokens) // block_size)
+            _check(need, blocks, width)
+            row = self._free.pop()
+            end = max(need, self._high[row])  # and zero what a longer list left in the row
+            index.extend(range(row * width, row * width + end))
+            values.extend(blocks[:need])
+            values.extend([0] * (end - need))
+            self._high[row] = need
+            entries[id(blocks)] = [blocks, row, need, step]
+            rows[i] = row
         if index:
-            writes = torch.tensor([index, values], dtype=torch.int64)
+            writes = host_tensor(torch.int64, index, values).view(2, -1)
             if self.device.type != "cpu":
                 writes = writes.pin_memory().to(self.device, non_blocking=True)  # pageable memory would block
             self.table.view(-1).index_copy_(0, writes[0], writes[1].to(torch.int32))
@@ -77,3 +90,9 @@ class BlockTable:
         """A throwaway table just big enough for one step (tests, profiling)."""
         width = max(-(-(c.start + c.num_tokens) // block_size) for c in chunks)
         return cls(len(chunks), width, device)
+
+
+def _check(need: int, blocks: list[int], width: int) -> None:
+    if need > len(blocks) or need > width:
+        raise ValueError(f"a chunk needs {need} blocks; its request holds {len(blocks)}, "
+                         f"the block table {width} per request")

@@ -14,6 +14,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.block_table import BlockTable
+from engine.host_tensors import host_tensor
 
 def order_chunks(chunks) -> tuple[list, int, int]:
     """(ordered chunks, number of decodes, number that read cached context).
@@ -24,6 +25,24 @@ def order_chunks(chunks) -> tuple[list, int, int]:
     later = [c for c in chunks if c.num_tokens != 1 and c.start > 0]
     first = [c for c in chunks if c.num_tokens != 1 and c.start == 0]
     return decodes + later + first, len(decodes), len(decodes) + len(later)
+
+
+def _pack_tokens(order) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """(token ids, positions, row of each token, query lengths, KV lengths) of a mixed step."""
+    ids: list[int] = []
+    positions: list[int] = []
+    row_of_token: list[int] = []
+    for i, c in enumerate(order):
+        if c.num_tokens == 1:
+            ids.append(c.token_ids[0])
+            positions.append(c.start)
+            row_of_token.append(i)
+        else:
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.start + c.num_tokens))
+            row_of_token.extend([i] * c.num_tokens)
+    return (ids, positions, row_of_token, [c.num_tokens for c in order],
+            [c.start + c.num_tokens for c in order])
 
 
 def build_step_inputs(chunks, block_size: int, device: torch.device, table: BlockTable | None = None):
@@ -42,29 +61,25 @@ def build_step_inputs(chunks, block_size: int, device: torch.device, table: Bloc
         table = BlockTable.for_step(order, block_size, device)
     rows = table.update(order, block_size)
     b = len(order)
-    query_lens = [c.num_tokens for c in order]
-    kv_lens = [c.start + c.num_tokens for c in order]
-    ids: list[int] = []
-    positions: list[int] = []
-    row_of_token: list[int] = []
-    for i, c in enumerate(order):
-        if c.num_tokens == 1:
-            ids.append(c.token_ids[0])
-            positions.append(c.start)
-            row_of_token.append(i)
-        else:
-            ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + c.num_tokens))
-            row_of_token.extend([i] * c.num_tokens)
-    cu_q = [0, *itertools.accumulate(query_lens)]
+    if num_decodes == b:  # decode-only (most steps): one token per request
+        positions = [c.start for c in order]
+        ids = [c.token_ids[0] for c in order]
+        row_of_token = list(range(b))
+        query_lens = [1] * b
+        kv_lens = [p + 1 for p in positions]
+        cu_q = list(range(b + 1))
+    else:
+        ids, positions, row_of_token, query_lens, kv_lens = _pack_tokens(order)
+        cu_q = [0, *itertools.accumulate(query_lens)]
+    # Not every one-token chunk samples: the last token of a prefill cut by the step's budget does not.
     sample_rows = [i for i, c in enumerate(order) if c.samples]
     # After the sampling rows: the rows of prompt positions whose logprobs were asked for.
     prompt_rows = [cu_q[i] + q - c.start for i, c in enumerate(order)
                    for q in getattr(c, "prompt_logprob_positions", ())]
     # Three host tensors, shipped in non-blocking copies: per token, per request, cu_seqlens.
-    per_token = torch.tensor([ids, positions, row_of_token], dtype=torch.int64)
-    per_request = torch.tensor(rows + [cu_q[i + 1] - 1 for i in sample_rows] + prompt_rows, dtype=torch.int64)
-    lengths = torch.tensor(cu_q + [0, *itertools.accumulate(kv_lens)] + kv_lens, dtype=torch.int32)
+    per_token = host_tensor(torch.int64, ids, positions, row_of_token).view(3, -1)
+    per_request = host_tensor(torch.int64, rows, [cu_q[i + 1] - 1 for i in sample_rows], prompt_rows)
+    lengths = host_tensor(torch.int32, cu_q, [0, *itertools.accumulate(kv_lens)], kv_lens)
     if device.type != "cpu":
         # Pinned (torch's host allocator caches the pages): a copy from pageable memory would block.
         per_token, per_request, lengths = (t.pin_memory().to(device, non_blocking=True)
