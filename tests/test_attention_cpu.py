@@ -22,10 +22,21 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (4, 4), (6, 2)], ids=["gqa", "mqa", "mha", "gqa3"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (4, 4), (6, 2), (14, 2), (10, 1)],
+                         ids=["gqa", "mqa", "mha", "gqa3", "gqa7", "mqa10"])  # 10: two passes, 8 heads then 2
 @pytest.mark.parametrize("block_size", [8, 16, 32, 256])
 def test_cpu_kernel_matches_dense_attention(block_size, heads, kv_heads, dtype):
     run_contract("cpu", CPU, block_size, dtype, TOLERANCE[dtype], heads, kv_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (14, 2), (10, 1)], ids=["g4", "g7", "g10"])
+@pytest.mark.parametrize("head_dim", [48, 64, 128])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_cpu_kernel_matches_dense_attention_over_head_sizes(block_size, head_dim, heads, kv_heads, dtype):
+    """The kernel splits the head dimension into groups of vectors and the query heads of a KV head into
+    groups of at most 8: full and partial groups of each (head_dim 48 is three vectors of 16 floats)."""
+    run_contract("cpu", CPU, block_size, dtype, TOLERANCE[dtype], heads, kv_heads, head_dim)
 
 
 def _long_step(seed, block_size, heads, kv_heads, head_dim, dtype):

@@ -103,59 +103,35 @@ inline vfloat load_partial(const T* p, int64_t n) {
   return load(tmp);
 }
 
-// Scores of query head q (pre-scaled) against V * W keys of a transposed block: one FMA chain
-// per vector of keys, V chains in flight to hide the FMA latency.
-template <int V, typename T>
-inline void score_keys(const float* q, const T* key, int64_t D, int64_t bs, float* out) {
-  vfloat acc[V] = {};
+// Scores of G query heads (qf [G, D], pre-scaled) against V vectors of W keys each, from one
+// block or several (keys[v]: W consecutive keys of a transposed block, key[d * bs + i]). Each key
+// vector is loaded once for all G heads, and the G * V accumulators are independent FMA chains:
+// a 16-token block is one vector, so the vectors come from several blocks for the chains to hide
+// the FMA latency. Scores go to outs[v][g * ld + i].
+template <int G, int V, typename T>
+inline void score_vectors(const float* qf, const T* const* keys, int64_t D, int64_t bs, float* const* outs,
+                          int64_t ld) {
+  vfloat acc[G][V] = {};
   for (int64_t d = 0; d < D; ++d) {
-    const float qd = q[d];
-    for (int v = 0; v < V; ++v) acc[v] += qd * load(key + d * bs + v * W);
+    vfloat k[V];
+    for (int v = 0; v < V; ++v) k[v] = load(keys[v] + d * bs);
+    for (int g = 0; g < G; ++g) {
+      const float qd = qf[g * D + d];
+      for (int v = 0; v < V; ++v) acc[g][v] += qd * k[v];
+    }
   }
-  std::memcpy(out, acc, sizeof(acc));
+  for (int v = 0; v < V; ++v)
+    for (int g = 0; g < G; ++g) std::memcpy(outs[v] + g * ld, &acc[g][v], sizeof(vfloat));
 }
 
-// Scores of G query heads (qf, pre-scaled) against the first n keys of one transposed block
-// (key[d * block_size + token]): out[g * ld + o].
+// The first n < W keys of a transposed block: a partial vector never reads past its block.
 template <typename T>
-inline void block_scores(const float* qf, const T* key, int64_t n, int64_t G, int64_t D, int64_t bs,
-                         float* out, int64_t ld) {
-  int64_t o = 0;
-  for (; o + 4 * W <= n; o += 4 * W)
-    for (int64_t g = 0; g < G; ++g) score_keys<4>(qf + g * D, key + o, D, bs, out + g * ld + o);
-  for (; o + W <= n; o += W)
-    for (int64_t g = 0; g < G; ++g) score_keys<1>(qf + g * D, key + o, D, bs, out + g * ld + o);
-  if (o < n) {  // fewer than W keys left: a partial vector never reads past its block
-    for (int64_t g = 0; g < G; ++g) {
-      vfloat acc{};
-      for (int64_t d = 0; d < D; ++d) acc += qf[g * D + d] * load_partial(key + d * bs + o, n - o);
-      std::memcpy(out + g * ld + o, &acc, (n - o) * sizeof(float));
-    }
-  }
-}
-
-// acc[g] += sum over a block's first n values (rows of D) of p[g * ld + o] * value[o]: four at a time.
-template <typename T>
-inline void block_values(const float* p, const T* value, int64_t n, int64_t G, int64_t D, int64_t ld,
-                         vfloat* acc) {
-  const int64_t chunks = D / W;
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
-    const T* v0 = value + o * D;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const vfloat x0 = load(v0 + c * W), x1 = load(v0 + D + c * W);
-      const vfloat x2 = load(v0 + 2 * D + c * W), x3 = load(v0 + 3 * D + c * W);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* pg = p + g * ld + o;
-        acc[g * chunks + c] += (pg[0] * x0 + pg[1] * x1) + (pg[2] * x2 + pg[3] * x3);
-      }
-    }
-  }
-  for (; o < n; ++o) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      const vfloat x = load(value + o * D + c * W);
-      for (int64_t g = 0; g < G; ++g) acc[g * chunks + c] += p[g * ld + o] * x;
-    }
+inline void score_partial(const float* qf, const T* key, int64_t n, int64_t G, int64_t D, int64_t bs, float* out,
+                          int64_t ld) {
+  for (int64_t g = 0; g < G; ++g) {
+    vfloat acc{};
+    for (int64_t d = 0; d < D; ++d) acc += qf[g * D + d] * load_partial(key + d * bs, n);
+    std::memcpy(out + g * ld, &acc, n * sizeof(float));
   }
 }
 
@@ -167,19 +143,121 @@ inline void prefetch_block(const T* first, const Shapes& s) {
   for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(p + byte, 0, 1);
 }
 
+// Scores of G query heads of one row over its first `len` keys (one KV head), in token order:
+// scores[g * ld + t]. Full key vectors go V at a time, whichever blocks they come from.
+template <int G, typename T>
+void score_row(const float* qf, const T* k_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
+               const Shapes& s, float* scores, int64_t ld) {
+  constexpr int V = G <= 4 ? 4 : 2;  // G * V accumulators + V keys stay within 32 vector registers
+  const int64_t D = s.head_dim, bs = s.block_size, nblocks = (len + bs - 1) / bs;
+  const T* keys[V];
+  float* outs[V];
+  int ready = 0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const T* key = k_cache + blocks[b] * s.block + kv_head * s.head;
+    if (b + 1 < nblocks) prefetch_block(k_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
+    const int64_t n = std::min(bs, len - b * bs);
+    int64_t o = 0;
+    for (; o + W <= n; o += W) {
+      keys[ready] = key + o;
+      outs[ready] = scores + b * bs + o;
+      if (++ready == V) {
+        score_vectors<G, V>(qf, keys, D, bs, outs, ld);
+        ready = 0;
+      }
+    }
+    if (o < n) score_partial(qf, key + o, n - o, G, D, bs, scores + b * bs + o, ld);
+  }
+  for (int v = 0; v < ready; ++v) score_vectors<G, 1>(qf, keys + v, D, bs, outs + v, ld);
+}
+
+// score_row for the row's group size: compiled for 1 to 8 query heads per KV head; larger groups
+// go 8 heads at a time.
+template <typename T>
+void score_row_any(const float* qf, const T* k_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
+                   const Shapes& s, float* scores, int64_t ld) {
+  for (int64_t g0 = 0; g0 < s.group; g0 += 8) {
+    const float* q = qf + g0 * s.head_dim;
+    float* out = scores + g0 * ld;
+    switch (std::min<int64_t>(s.group - g0, 8)) {
+      case 1: score_row<1>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
+      case 2: score_row<2>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
+      case 3: score_row<3>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
+      case 4: score_row<4>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
+      case 5: score_row<5>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
+      case 6: score_row<6>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
+      case 7: score_row<7>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
+      default: score_row<8>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
+    }
+  }
+}
+
+// acc[g][c] = sum over the row's first `len` values of p[g * ld + t] * value_t[(c0 + c) * W ..], for G
+// query heads and C vectors of the head dimension: each value vector is loaded once for all G heads,
+// and the G * C accumulators are independent FMA chains.
+template <int G, int C, typename T>
+void values_row(const float* p, const T* v_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
+                const Shapes& s, int64_t ld, int64_t c0, vfloat* out) {
+  const int64_t D = s.head_dim, bs = s.block_size, nblocks = (len + bs - 1) / bs;
+  vfloat acc[G][C] = {};
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const T* value = v_cache + blocks[b] * s.block + kv_head * s.head + c0 * W;
+    if (b + 1 < nblocks) prefetch_block(v_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
+    const float* pb = p + b * bs;
+    const int64_t n = std::min(bs, len - b * bs);
+    for (int64_t o = 0; o < n; ++o) {
+      vfloat x[C];
+      for (int c = 0; c < C; ++c) x[c] = load(value + o * D + c * W);
+      for (int g = 0; g < G; ++g) {
+        const float pg = pb[g * ld + o];
+        for (int c = 0; c < C; ++c) acc[g][c] += pg * x[c];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) out[g * (D / W) + c0 + c] = acc[g][c];
+}
+
+// values_row over the whole head dimension for the row's group size (1 to 8 heads at a time, as
+// score_row_any): out[g * (D / W) + c].
+template <int G, typename T>
+void values_row_all(const float* p, const T* v_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
+                    const Shapes& s, int64_t ld, vfloat* out) {
+  constexpr int C = G <= 4 ? 4 : 2;  // G * C accumulators + C values stay within 32 vector registers
+  const int64_t chunks = s.head_dim / W;
+  int64_t c0 = 0;
+  for (; c0 + C <= chunks; c0 += C) values_row<G, C>(p, v_cache, blocks, kv_head, len, s, ld, c0, out);
+  for (; c0 < chunks; ++c0) values_row<G, 1>(p, v_cache, blocks, kv_head, len, s, ld, c0, out);
+}
+
+template <typename T>
+void values_row_any(const float* p, const T* v_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
+                    const Shapes& s, int64_t ld, vfloat* out) {
+  const int64_t chunks = s.head_dim / W;
+  for (int64_t g0 = 0; g0 < s.group; g0 += 8) {
+    const float* pg = p + g0 * ld;
+    vfloat* o = out + g0 * chunks;
+    switch (std::min<int64_t>(s.group - g0, 8)) {
+      case 1: values_row_all<1>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
+      case 2: values_row_all<2>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
+      case 3: values_row_all<3>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
+      case 4: values_row_all<4>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
+      case 5: values_row_all<5>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
+      case 6: values_row_all<6>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
+      case 7: values_row_all<7>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
+      default: values_row_all<8>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
+    }
+  }
+}
+
 // G query heads of one row over the first `len` tokens of one request, one KV head.
 // Scratch: qf [G, head_dim], scores [G, len rounded up to W], acc [G, head_dim / W].
 template <typename T>
 void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t kv_head,
                 int64_t len, float scale, const Shapes& s, float* qf, float* scores, vfloat* acc, T* out) {
-  const int64_t G = s.group, D = s.head_dim, bs = s.block_size, padded = (len + W - 1) / W * W;
-  const int64_t nblocks = (len + bs - 1) / bs;
+  const int64_t G = s.group, D = s.head_dim, padded = (len + W - 1) / W * W;
   for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const T* key = k_cache + blocks[b] * s.block + kv_head * s.head;
-    if (b + 1 < nblocks) prefetch_block(k_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
-    block_scores(qf, key, std::min(bs, len - b * bs), G, D, bs, scores + b * bs, padded);
-  }
+  score_row_any(qf, k_cache, blocks, kv_head, len, s, scores, padded);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * padded;
     float peak = sg[0];
@@ -194,12 +272,7 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
     const float inv = 1.f / hsum(total);
     for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
   }
-  std::fill(acc, acc + G * (D / W), vfloat{});
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const T* value = v_cache + blocks[b] * s.block + kv_head * s.head;
-    if (b + 1 < nblocks) prefetch_block(v_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
-    block_values(scores + b * bs, value, std::min(bs, len - b * bs), G, D, padded, acc);
-  }
+  values_row_any(scores, v_cache, blocks, kv_head, len, s, padded, acc);
   for (int64_t g = 0; g < G; ++g) store_row(reinterpret_cast<const float*>(acc + g * (D / W)), out + g * D, D);
 }
 
