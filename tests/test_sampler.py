@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import SAMPLING_EPS, Sampler, SamplingBatch, apply_penalties, hashed_uniform, inverse_cdf
+from engine.sampler import (SAMPLING_EPS, Sampler, SamplingBatch, apply_penalties, greedy_tokens, hashed_uniform,
+                            inverse_cdf)
 
 
 def _prompts(n, seed=0):
@@ -222,3 +223,10 @@ def test_tiny_temperatures_are_greedy_and_broken_rows_stay_in_the_vocabulary():
     tokens, _ = Sampler()(logits.clone(), _batch([1e-38, 1.0, 1.0]))
     assert tokens[0] == logits[0].argmax().item()
     assert all(0 <= t < 50 for t in tokens)
+
+
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    logits = torch.randn(5, 300)
+    logits[:, [17, 40, 299]] = 50.0
+    logits[4, 3] = 60.0
+    assert greedy_tokens(logits).tolist() == [17, 17, 17, 17, 3] == logits.argmax(dim=-1).tolist()
