@@ -96,7 +96,7 @@ class SamplingBatch:
         return cls(
             requests=requests, temperature=temperature, top_k=top_k_t, top_p=top_p_t, min_p=min_p_t,
             seeds=seeds_t, positions=positions,
-            all_greedy=bool(every & _GREEDY), all_random=not some & _GREEDY,
+            all_greedy=bool(every & _GREEDY), all_random=not (some & _GREEDY),
             any_top_k=bool(some & _TOP_K), any_top_p=bool(some & _TOP_P), any_min_p=bool(some & _MIN_P),
             any_penalty=bool(some & _PENALTY), any_logit_bias=bool(some & _LOGIT_BIAS),
             any_min_tokens=bool(some & _MIN_TOKENS) and any(r.num_output_tokens < r.params.min_tokens

@@ -211,13 +211,13 @@ def rank_replicas(
             else:
                 full.append((c.load, tie, c.replica_id))
 
-    ranks: list[list[Hashable]] = [[rid] for rid in _order_with_room(room, load_slack)]
+    order, comparable = _order_with_room(room, load_slack)
+    ranks: list[list[Hashable]] = [[rid] for rid in order]
     reason = "fallback"
     if ranks:
         first = ranks[0][0]
         has_adapter, blocks, _ = next(m for _, m, _, rid in room if rid == first)
-        ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9
-        homed = adapter is not None and sum(load <= ceiling for load, _, _, _ in room) > 1
+        homed = adapter is not None and comparable > 1
         reason = "prefix" if blocks > 0 else "lora" if has_adapter or homed else "load"
     ranks += _power_of_two(unknown, rng)
     ranks += [[rid] for _, _, rid in sorted(full, key=lambda x: x[:2])]
@@ -234,14 +234,15 @@ def adapter_home(adapter: str, replica_id: Hashable) -> int:
 
 
 def _order_with_room(room: list[tuple[float, tuple[bool, int, int], float, Hashable]], load_slack: float
-                     ) -> list[Hashable]:
+                     ) -> tuple[list[Hashable], int]:
+    """(the replicas in order, how many lead as comparable: within ``load_slack`` of the least loaded)."""
     if not room:
-        return []
-    ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9  # as rank_replicas' reason
+        return [], 0
+    ceiling = min(load for load, _, _, _ in room) + load_slack + 1e-9
     comparable = sorted((x for x in room if x[0] <= ceiling),
                         key=lambda x: (-x[1][0], -x[1][1], -x[1][2], x[0], x[2]))
     busier = sorted((x for x in room if x[0] > ceiling), key=lambda x: (x[0], -x[1][0], -x[1][1], x[2]))
-    return [x[3] for x in comparable + busier]
+    return [x[3] for x in comparable + busier], len(comparable)
 
 
 def _power_of_two(unknown: list[Hashable], rng: random.Random) -> list[list[Hashable]]:

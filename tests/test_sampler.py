@@ -230,3 +230,38 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
     logits[:, [17, 40, 299]] = 50.0
     logits[4, 3] = 60.0
     assert greedy_tokens(logits).tolist() == [17, 17, 17, 17, 3] == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_batch_says_what_its_requests_ask(seed):
+    """The batch's flags and tensors against the requests' own parameters, over random mixes (the
+    rows are cached per request, so a request sampled in two batches is checked twice)."""
+    from engine.request import Request
+
+    rng = random.Random(seed)
+    choices = [dict(temperature=0.0), dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.9),
+               dict(temperature=1.0, min_p=0.1, logprobs=3), dict(temperature=0.0, presence_penalty=0.5),
+               dict(temperature=0.5, logit_bias={3: 1.0}), dict(temperature=1.0, min_tokens=4, max_tokens=8),
+               dict(temperature=0.0, top_k=-1, logprobs=0)]
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(**rng.choice(choices)), 0, i, 100, rng.randrange(1 << 40),
+                    frozenset()) for i in range(12)]
+    for r in reqs:
+        r.token_ids += [4] * rng.randrange(6)
+    for batch_reqs in (reqs, rng.sample(reqs, 5), reqs[:1]):
+        b = SamplingBatch.build(batch_reqs, torch.device("cpu"))
+        ps = [r.params for r in batch_reqs]
+        assert b.temperature.tolist() == pytest.approx([p.temperature for p in ps])
+        assert b.top_k.tolist() == [max(p.top_k, 0) for p in ps]
+        assert b.top_p.tolist() == pytest.approx([p.top_p for p in ps])
+        assert b.min_p.tolist() == pytest.approx([p.min_p for p in ps])
+        assert b.seeds.tolist() == [r.seed for r in batch_reqs]
+        assert b.positions.tolist() == [r.num_output_tokens for r in batch_reqs]
+        assert b.all_greedy == all(p.temperature < SAMPLING_EPS for p in ps)
+        assert b.all_random == all(p.temperature >= SAMPLING_EPS for p in ps)
+        assert (b.any_top_k, b.any_top_p, b.any_min_p) == (any(p.top_k > 0 for p in ps), any(p.top_p < 1 for p in ps),
+                                                           any(p.min_p > 0 for p in ps))
+        assert b.any_penalty == any(p.uses_penalties for p in ps)
+        assert b.any_logit_bias == any(bool(p.logit_bias) for p in ps)
+        assert b.any_min_tokens == any(r.num_output_tokens < r.params.min_tokens for r in batch_reqs)
+        logprobs = [p.logprobs for p in ps if p.logprobs is not None]
+        assert b.max_logprobs == (max(logprobs) if logprobs else None)
