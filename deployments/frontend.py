@@ -9,6 +9,7 @@ deadline, abort). Nothing here imports ray: the engine sits behind ``EngineClien
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import hmac
 import logging
@@ -122,11 +123,19 @@ class Frontend:
         """The engines' model facts (context length, vocab), fetched once: the first requests,
         however many arrive together, share one call."""
         if self._engine_info is None:
-            if self._engine_info_call is None:
-                self._engine_info_call = asyncio.ensure_future(self._engine.model_info())
             call = self._engine_info_call
+            if call is None or call.cancelled():
+                # In a fresh context: Serve cancels the calls a request made when that request is
+                # cancelled (its client went away), and this one is every waiting request's.
+                call = self._engine_info_call = asyncio.get_running_loop().create_task(
+                    self._engine.model_info(), context=contextvars.Context())
             try:
                 info = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                if not call.cancelled():
+                    raise  # this request was cancelled; the shared call goes on
+                raise Unavailable("the engines' model facts could not be read (the call was cancelled); "
+                                  "retry") from None
             except Exception as exc:
                 if self._engine_info_call is call:  # failed: the next request asks again
                     self._engine_info_call = None

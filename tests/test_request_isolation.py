@@ -7,6 +7,7 @@ a file, huge prompts tokenized off the event loop, OpenAI's "developer" role.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 
@@ -185,4 +186,42 @@ def test_concurrent_first_requests_share_one_model_info_call(tokenizer):
         prepared = await asyncio.gather(*(fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 2}))
                                           for _ in range(32)))
         assert len(prepared) == 32 and calls == [1]
+    run(main())
+
+
+def test_a_first_request_cut_off_leaves_the_shared_model_info_call_running(tokenizer):
+    """Serve cancels the calls a request made when its client goes away. The first request's call for
+    the engines' model facts is shared by every request that arrives while the engines start, so
+    cancelling that request must leave the call running: the requests after it are served (each got a
+    500, for good, when the call was tied to the first request)."""
+    serve_request = contextvars.ContextVar("serve_request", default=None)
+
+    async def main():
+        fe, _ = make_frontend(tokenizer, replicas=1)
+        original, ready, started, made_by = fe._engine.model_info, asyncio.Event(), asyncio.Event(), {}
+
+        async def model_info():  # what Serve does: it notes which request made the call
+            made_by.setdefault(serve_request.get(), []).append(asyncio.current_task())
+            started.set()
+            await ready.wait()  # the engines are still starting
+            return await original()
+
+        async def request(request_id):
+            serve_request.set(request_id)
+            return await fe.prepare(GenerateInput(prompt="hi", sampling={"max_tokens": 2}))
+
+        fe._engine.model_info = model_info
+        first = asyncio.ensure_future(request("first"))
+        await started.wait()
+        first.cancel()  # its client went away, and Serve cancels what it called
+        for task in made_by.get("first", ()):
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        second = asyncio.ensure_future(request("second"))
+        await asyncio.sleep(0.01)
+        ready.set()
+        prepared = await asyncio.wait_for(second, 5.0)
+        assert prepared.prompt_token_ids
+        assert fe.known_engine_info is not None and list(made_by) == [None]  # one call, tied to no request
     run(main())
