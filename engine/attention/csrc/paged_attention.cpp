@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -171,24 +172,30 @@ void score_row(const float* qf, const T* k_cache, const int32_t* blocks, int64_t
   for (int v = 0; v < ready; ++v) score_vectors<G, 1>(qf, keys + v, D, bs, outs + v, ld);
 }
 
-// score_row for the row's group size: compiled for 1 to 8 query heads per KV head; larger groups
-// go 8 heads at a time.
+// Calls f(std::integral_constant<int, G>{}) for G = g, with the code compiled for every G from 1
+// to 8 (register-resident accumulators need G at compile time); g is at most 8.
+template <typename F>
+inline void with_group(int64_t g, F&& f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// score_row for the row's group size, 8 query heads at a time.
 template <typename T>
 void score_row_any(const float* qf, const T* k_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
                    const Shapes& s, float* scores, int64_t ld) {
   for (int64_t g0 = 0; g0 < s.group; g0 += 8) {
-    const float* q = qf + g0 * s.head_dim;
-    float* out = scores + g0 * ld;
-    switch (std::min<int64_t>(s.group - g0, 8)) {
-      case 1: score_row<1>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
-      case 2: score_row<2>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
-      case 3: score_row<3>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
-      case 4: score_row<4>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
-      case 5: score_row<5>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
-      case 6: score_row<6>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
-      case 7: score_row<7>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
-      default: score_row<8>(q, k_cache, blocks, kv_head, len, s, out, ld); break;
-    }
+    with_group(std::min<int64_t>(s.group - g0, 8), [&](auto G) {
+      score_row<decltype(G)::value>(qf + g0 * s.head_dim, k_cache, blocks, kv_head, len, s, scores + g0 * ld, ld);
+    });
   }
 }
 
@@ -218,8 +225,7 @@ void values_row(const float* p, const T* v_cache, const int32_t* blocks, int64_t
     for (int c = 0; c < C; ++c) out[g * (D / W) + c0 + c] = acc[g][c];
 }
 
-// values_row over the whole head dimension for the row's group size (1 to 8 heads at a time, as
-// score_row_any): out[g * (D / W) + c].
+// values_row over the whole head dimension, for G query heads: out[g * (D / W) + c].
 template <int G, typename T>
 void values_row_all(const float* p, const T* v_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
                     const Shapes& s, int64_t ld, vfloat* out) {
@@ -230,23 +236,15 @@ void values_row_all(const float* p, const T* v_cache, const int32_t* blocks, int
   for (; c0 < chunks; ++c0) values_row<G, 1>(p, v_cache, blocks, kv_head, len, s, ld, c0, out);
 }
 
+// values_row_all for the row's group size, 8 query heads at a time.
 template <typename T>
 void values_row_any(const float* p, const T* v_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
                     const Shapes& s, int64_t ld, vfloat* out) {
-  const int64_t chunks = s.head_dim / W;
   for (int64_t g0 = 0; g0 < s.group; g0 += 8) {
-    const float* pg = p + g0 * ld;
-    vfloat* o = out + g0 * chunks;
-    switch (std::min<int64_t>(s.group - g0, 8)) {
-      case 1: values_row_all<1>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
-      case 2: values_row_all<2>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
-      case 3: values_row_all<3>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
-      case 4: values_row_all<4>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
-      case 5: values_row_all<5>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
-      case 6: values_row_all<6>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
-      case 7: values_row_all<7>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
-      default: values_row_all<8>(pg, v_cache, blocks, kv_head, len, s, ld, o); break;
-    }
+    with_group(std::min<int64_t>(s.group - g0, 8), [&](auto G) {
+      values_row_all<decltype(G)::value>(p + g0 * ld, v_cache, blocks, kv_head, len, s, ld,
+                                         out + g0 * (s.head_dim / W));
+    });
   }
 }
 
