@@ -129,7 +129,9 @@ def test_adapter_spreads_a_burst_within_one_stats_period():
     from router.request_router import _TRANSIT_GRACE_S
 
     # Stats taken right after the sends may miss requests still on their way: they keep counting.
-    replicas[1].routing_stats = _stats(10)
+    # (Timed from the first send, not from now: 30 choices take a while on a loaded machine.)
+    first_send = min(router._sent["r1"].values())
+    replicas[1].routing_stats = _stats(10, updated_at=first_send + _TRANSIT_GRACE_S / 2)
     assert router._load_of(replicas[1]).running == 20
     replicas[1].routing_stats = _stats(10, updated_at=time.time() + _TRANSIT_GRACE_S)
     running = {r.replica_id: router._load_of(r).running for r in replicas}
