@@ -122,6 +122,9 @@ class CpuAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
         g = meta.num_gathered
+        if g == len(meta.query_lens):  # every request reads cached context (all decode steps)
+            self._kernel(out, q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k, meta.block_table, self.scale)
+            return out.view(q.shape[0], -1)
         split = meta.gathered_tokens
         if g:
             self._kernel(out[:split], q[:split], k_cache, v_cache, meta.cu_seqlens_q[:g + 1], meta.seqlens_k[:g],
