@@ -39,6 +39,17 @@ def test_cpu_kernel_matches_dense_attention_over_head_sizes(block_size, head_dim
     run_contract("cpu", CPU, block_size, dtype, TOLERANCE[dtype], heads, kv_heads, head_dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_long_chunks_after_a_prefix_match_dense_attention(block_size, heads, kv_heads, dtype):
+    """Chunks after a cached prefix from SDPA_MIN_ROWS rows up go to torch's fused kernel with a
+    bottom-right causal mask; shorter ones and decodes stay in the paged kernel, in the same step."""
+    rows = cpu_attention.SDPA_MIN_ROWS
+    run_contract("cpu", CPU, block_size, dtype, TOLERANCE[dtype], heads, kv_heads,
+                 contexts=(37, 300, 5, 0, 130, 64), new=(1, rows, 200, 70, rows - 1, 1))
+
+
 def _long_step(seed, block_size, heads, kv_heads, head_dim, dtype):
     """Decodes and chunks after a prefix over long contexts in a scattered pool."""
     rng = random.Random(seed)
