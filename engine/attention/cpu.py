@@ -5,11 +5,11 @@ two dimensions swapped (``[.., head_dim, block_size]``). One head's block is one
 of memory, which the hardware prefetcher streams (measured ~15 % faster than the CUDA backends'
 ``[num_blocks, block_size, kv_heads, head_dim]`` for a decode step); transposed keys let the
 kernel score W keys per vector instruction with no horizontal sums (5-10 % faster per layer
-than keys stored like values). Requests that read cached context (decodes, chunks after a
-cached prefix) go to the kernel (``csrc/paged_attention.cpp``), which walks each request's
-block table: no per-layer gather, no padding to the longest context. First chunks attend to
-their own new K/V with torch's fused CPU flash-attention (SDPA, causal), one call per request:
-they are compute-bound. The same library writes each step's K/V into its slots: ``index_put_`` on
+than keys stored like values). Decodes and short chunks after a cached prefix go to the kernel
+(``csrc/paged_attention.cpp``), which walks each request's block table: no per-layer gather, no
+padding to the longest context. First chunks attend to their own new K/V with torch's fused CPU
+flash-attention (SDPA, causal), one call per request: they are compute-bound. So are long chunks
+after a prefix, which get their context copied out of the cache and go to SDPA too. The same library writes each step's K/V into its slots: ``index_put_`` on
 the head-major view cost ~10x the kernel's time.
 
 The library is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` into
