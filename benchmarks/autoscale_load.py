@@ -27,10 +27,9 @@ _STOPPING = re.compile(_TS + r" .*? -- Stopping Replica\(id='([^']+)', deploymen
 _STOPPED = re.compile(_TS + r" .*? -- Replica\(id='([^']+)', deployment='([^']+)', app='[^']*'\) is stopped")
 _STARTED = re.compile(r" -- Replica\(id='([^']+)', deployment='[^']+', app='[^']*'\) started successfully .*?"
                       r"after ([\d.]+)s .*?took ([\d.]+)s")
-# A request reaches an engine replica as a stream of its own (generate) or, with deployments.mux,
-# as a submit whose outputs go out on its ingress's subscription to that replica.
-# Serve's access lines (a request id before "--"), and the engine link's, which have none.
-_CALL = re.compile(_TS + r" \S+ (\S+) (?:\S+ )?-- (?:CALL (?:generate|submit|subscribe)|LINK \S+) (\w+) ([\d.]+)ms")
+# A request reaches an engine replica over its ingress's engine link (the link's access lines),
+# or as a Serve stream of its own (generate: Serve's, with a request id before "--").
+_CALL = re.compile(_TS + r" \S+ (\S+) (?:\S+ )?-- (?:CALL generate|LINK \S+) (\w+) ([\d.]+)ms")
 
 
 def _wall(ts: str) -> float:

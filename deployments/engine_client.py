@@ -1,9 +1,9 @@
 """How the frontend talks to engine replicas, whatever carries the calls.
 
-``EngineClient`` is the contract; the ingress implements it with ``mux.MuxEngineClient`` over
-engine links (``link.LinkTransport``), and ``LocalEngineClient`` over in-process
+``EngineClient`` is the contract; the ingress implements it with
+``link_client.LinkEngineClient`` over engine links, and ``LocalEngineClient`` over in-process
 ``EngineReplica`` objects, which is how the frontend, the gRPC service and the OpenAI API are
-tested without Ray (alone, or as the ``MuxEngineClient``'s transport, as the ingress runs it).
+tested without Ray (alone, or as the ``LinkEngineClient``'s way to its replicas' links).
 """
 
 from __future__ import annotations
@@ -92,25 +92,9 @@ class LocalEngineClient:
     def generate(self, request: dict) -> EngineStream:
         return _LocalStream(self._pick(request), request)
 
-    # -- deployments.mux transport
-
-    async def submit(self, request: dict) -> str:
-        replica = self._pick(request)
-        await replica.submit(request)
-        return replica.replica_id
-
-    async def submit_linked(self, request: dict) -> tuple[str, str]:
-        """``submit`` to a replica serving an engine link (deployments.link), and its address."""
-        return await self._pick(request).submit_linked(request)
-
-    def subscribe(self, replica_id: str, ingress_id: str) -> AsyncIterator[list]:
-        return self._by_id(replica_id).hub.subscribe(ingress_id)
-
-    async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
-        return self._by_id(replica_id).abort(request_id, index)
-
-    def _by_id(self, replica_id: str):
-        return next(r for r in self._replicas if r.replica_id == replica_id)
+    async def link_address(self, request: dict) -> tuple[str, str]:
+        """The id and engine link address (deployments.link) of the replica picked for ``request``."""
+        return await self._pick(request).link_address(request)
 
     async def abort(self, request_id: str) -> bool:
         return any([replica.abort(request_id) for replica in self._replicas])

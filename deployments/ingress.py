@@ -5,8 +5,8 @@ One class serves both protocols: Serve's gRPC proxy calls the RPC-named methods
 start (``__serve_build_asgi_app__``). Requests reach engine replicas over engine links
 (deployments.link), to the replica the slot-aware router Serve runs in this process picks,
 which also gives the replicas' loads; a DeploymentHandle of the EngineReplica deployment
-carries the rest (model info, aborts, and an ingress's first requests before its router has
-heard from any replica).
+carries the rest (model info, aborts of other ingresses' requests, and which replica takes an
+ingress's first requests, before its router has heard from any).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.grpc_service import SlotServeGrpcMixin
-from deployments.link import LinkTls, LinkTransport
-from deployments.mux import MuxEngineClient
+from deployments.link import LinkTls
+from deployments.link_client import LinkEngineClient
 from deployments.openai_api import build_openai_app
 from router import inflight
 
@@ -30,7 +30,7 @@ ENGINE_DEPLOYMENT = "EngineReplica"
 
 
 class HandleEngineClient:
-    """What goes through Serve (``deployments.link.LinkTransport``'s ``serve``), and what the router
+    """What goes through Serve (``link_client.LinkEngineClient``'s ``serve``), and what the router
     Serve runs in this process knows (``router.inflight``)."""
 
     def __init__(self, handle: DeploymentHandle, deployment: str) -> None:
@@ -78,8 +78,9 @@ class HandleEngineClient:
             done += 1
         return done
 
-    async def submit_linked(self, request: dict) -> tuple[str, str]:
-        return await self._handle.submit_linked.remote(request)
+    async def link_address(self, request: dict) -> tuple[str, str]:
+        """A replica for ``request`` and its link address, routed (and queued) by Serve."""
+        return await self._handle.link_address.remote(request)
 
     async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
         return await self._handle.abort.remote({"request_id": request_id, "replica_id": replica_id, "index": index})
@@ -104,9 +105,9 @@ class RouterIngress(SlotServeGrpcMixin):
 
         tokenizer = load_tokenizer(resolve_model(frontend_config.model))
         serve_side = HandleEngineClient(engine, f"{serve.get_replica_context().app_name}#{ENGINE_DEPLOYMENT}")
-        transport = LinkTransport(serve_side, link_token, serve_side.choose, tls=link_tls)
-        self.frontend = Frontend(frontend_config, tokenizer,
-                                 MuxEngineClient(transport, on_done=serve_side.request_finished))
+        client = LinkEngineClient(serve_side, link_token, serve_side.choose, tls=link_tls,
+                                  on_done=serve_side.request_finished)
+        self.frontend = Frontend(frontend_config, tokenizer, client)
         self._max_body_bytes = max_body_bytes
 
     def __serve_build_asgi_app__(self):

@@ -41,6 +41,13 @@ MAC_BYTES = 32
 
 # -- ingress -> replica
 
+def wire_id(request: dict) -> str:
+    """A request's key on the wire: one per attempt, so an error left over from a first attempt
+    never reaches the resumed one (``PreparedRequest.engine_request``'s ``attempt``)."""
+    attempt = request.get("attempt", 0)
+    return request["request_id"] if not attempt else f"{request['request_id']}~{attempt}"
+
+
 class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``PreparedRequest.engine_request()`` with the ingress's id, as the replica takes it."""
 
@@ -145,7 +152,7 @@ def rebuild_error(error: WireError) -> Exception:
 
 
 def as_item(output: Output) -> tuple:
-    """``(wire_id, message dict or None, exception or None)``, as ``deployments.mux`` items are."""
+    """``(wire_id, message dict or None, exception or None)``: one item of a batch."""
     message = None
     if output.message is not None:
         message = msgspec.structs.asdict(output.message)
@@ -216,12 +223,13 @@ async def read_ingress_frame(reader: asyncio.StreamReader) -> IngressFrame:
 
 
 async def read_outputs(reader: asyncio.StreamReader) -> list[tuple]:
-    """The next batch from a replica, as ``deployments.mux`` items."""
+    """The next batch from a replica, as ``as_item`` items."""
     return [as_item(output) for output in _output_frames.decode(await _read(reader))]
 
 
 def outputs(batch: list[tuple]) -> bytes:
-    """``deployments.mux`` items as frames of at most ``FRAME_ITEMS`` outputs."""
+    """Items ``(wire id, message dict or None, exception or None)`` as frames of at most ``FRAME_ITEMS``
+    outputs."""
     wire = [(key, message, None if exc is None else wire_error(exc)) for key, message, exc in batch]
     return b"".join(frame(wire[i:i + FRAME_ITEMS]) for i in range(0, len(wire), FRAME_ITEMS))
 

@@ -31,7 +31,6 @@ from typing import Any, AsyncIterator
 
 from deployments.link import LinkServer, LinkTls
 from deployments.metrics import EngineMetrics, Recorder, recorder_for
-from deployments.mux import ReplicaHub
 from deployments.nvml import GpuMonitor
 from deployments.tracing import Tracing
 from engine.errors import EngineDeadError, UnknownAdapterError
@@ -113,8 +112,7 @@ class EngineReplica:
         self.tracing = tracing if tracing is not None else Tracing.from_env()
         self._start_metrics_loop()  # Serve builds replicas on their event loop; else on the first request
         self._unloaded_adapters: set[str] = set()  # unloaded through the API: never read again on demand
-        self._hub = ReplicaHub(self.generate)
-        self._link = LinkServer(self, self._hub, link_token, link_host, link_tls) if link_token else None
+        self._link = LinkServer(self, link_token, link_host, link_tls) if link_token else None
         self._link_started: asyncio.Task | None = None
         self._start_link()
 
@@ -184,32 +182,24 @@ class EngineReplica:
         except Exception:  # noqa: BLE001 - a span must never fail a request
             logger.exception("tracing request %s failed", request.get("request_id"))
 
-    @property
-    def hub(self) -> ReplicaHub:
-        """Outputs by ingress (deployments.mux): what engine links and in-process clients read."""
-        return self._hub
-
-    async def submit(self, request: dict) -> str:
-        """Start a request whose messages go to its ingress's subscription (deployments.mux)."""
+    async def link_address(self, request: dict) -> tuple[str, str]:
+        """This replica's id and engine link address (deployments.link), for ``request``: what an
+        ingress asks through Serve while its router knows no replica with a link; the request
+        itself then goes over the link."""
+        if self._link is None or self._start_link() is None:
+            raise EngineDeadError("this replica serves no engine link")
         if not self._accepting:
             raise EngineDeadError("this replica is shutting down and takes no new requests")
-        self._hub.submit(request)
-        return self.replica_id
+        await asyncio.shield(self._link_started)  # listening before the ingress connects
+        return self.replica_id, self._link.address
 
-    async def submit_linked(self, request: dict) -> tuple[str, str]:
-        """``submit``, answering with this replica's engine link address too (deployments.link)."""
-        if self._link is None:
-            raise EngineDeadError("this replica serves no engine link")
-        self._start_link()
-        return await self.submit(request), self._link.address
-
-    def _start_link(self) -> None:
-        if self._link is None or self._link_started is not None:
-            return
-        try:
-            self._link_started = asyncio.get_running_loop().create_task(self._link.start())
-        except RuntimeError:  # built outside an event loop (tests): started by the first submit
-            pass
+    def _start_link(self) -> asyncio.Task | None:
+        if self._link is not None and self._link_started is None:
+            try:
+                self._link_started = asyncio.get_running_loop().create_task(self._link.start())
+            except RuntimeError:  # built outside an event loop (tests): started by the first call
+                pass
+        return self._link_started
 
     def abort(self, request: str | dict, index: int | None = None) -> bool:
         """Abort by server request id (or ``{"request_id": ..., "index": ...}``, the form a pinned
@@ -219,8 +209,6 @@ class EngineReplica:
             request_id, index = request["request_id"], request.get("index")
         else:
             request_id = request
-        if index is None and self._hub.abort_unstarted(request_id):  # its submit came in the same read
-            return True
         if request_id not in self._active:
             return False
         self._engine.abort(request_id, index)
@@ -337,7 +325,6 @@ class EngineReplica:
                 await asyncio.sleep(0.02)
         if self._link is not None:
             await self._link.close()
-        self._hub.close()
         self._engine.shutdown()
         if self._own_tracing:
             self.tracing.shutdown()

@@ -228,8 +228,8 @@ class SlotAwareRequestRouter(RequestRouter):
 
     @staticmethod
     def _sent_key(pending_request: PendingRequest) -> str:
-        if getattr(pending_request.metadata, "call_method", None) == "submit_linked":
-            # A linked submit (deployments.link) returns at once while its request runs on: counted
+        if getattr(pending_request.metadata, "call_method", None) == "link_address":
+            # A linked request (deployments.link) is named by this call, which returns at once: counted
             # until its stream ends in the ingress (request_finished) or the replica's stats include it.
             return _request_dict(pending_request).get("request_id", pending_request.metadata.internal_request_id)
         return pending_request.metadata.internal_request_id

@@ -6,20 +6,23 @@ import asyncio
 
 from deployments.engine_client import LocalEngineClient
 from deployments.frontend import Frontend, FrontendConfig
-from deployments.mux import MuxEngineClient
+from deployments.link import new_token
+from deployments.link_client import LinkEngineClient
 from deployments.replica import EngineReplica
 from tests.fake_engine import FakeAsyncEngine
 from tests.waits import async_wait_until
 
 
-def make_frontend(tokenizer, replicas=1, api_keys=(), multiplex=True, **engine_options):
-    """``multiplex``: streams over deployments.mux, as the ingress runs them (else one per request)."""
+def make_frontend(tokenizer, replicas=1, api_keys=(), linked=True, **engine_options):
+    """``linked``: streams over engine links on loopback, as the ingress runs them (else in-process)."""
     options = {"vocab_size": tokenizer.vocab_size, "eos_token_id": 10**6, "max_num_seqs": 4,
                "max_waiting": 4, "step_delay_s": 0.002, **engine_options}
-    reps = [EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=5) for _ in range(replicas)]
+    token = new_token() if linked else None
+    reps = [EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=5, link_token=token)
+            for _ in range(replicas)]
     config = FrontendConfig(served_model_name="tiny", model="fake-model", api_keys=tuple(api_keys))
     client = LocalEngineClient(reps)
-    return Frontend(config, tokenizer, MuxEngineClient(client) if multiplex else client), reps
+    return Frontend(config, tokenizer, LinkEngineClient(client, token) if linked else client), reps
 
 
 def run(coro, timeout_s: float = 60.0):

@@ -1,7 +1,7 @@
 """deployments.link: engine replicas and an ingress over real loopback connections, no Ray.
 
 The replicas are EngineReplica over the fake engine, each serving a link; the ingress side
-is MuxEngineClient over LinkTransport, as RouterIngress builds it. The Ray path (the router
+is LinkEngineClient, as RouterIngress builds it. The Ray path (the router
 choosing, the node address, Serve's fallback) is exercised by test_serving_e2e's "link" mode.
 """
 
@@ -14,9 +14,9 @@ import pytest
 
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
-from deployments.link import LinkServer, LinkTransport, check_token, new_token
+from deployments.link import Connection, LinkServer, check_token, new_token
+from deployments.link_client import LinkEngineClient
 from deployments.link_wire import Hello, frame
-from deployments.mux import MuxEngineClient, ReplicaHub
 from deployments.replica import EngineReplica
 from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
@@ -58,8 +58,7 @@ async def _linked(n: int = 1):
     reps = _replicas(token, n)
     await asyncio.sleep(0)  # the link servers start on this loop
     chooser = RoundRobin(reps)
-    transport = LinkTransport(LocalEngineClient(reps), token, chooser)
-    return reps, chooser, transport, MuxEngineClient(transport)
+    return reps, chooser, LinkEngineClient(LocalEngineClient(reps), token, chooser)
 
 
 async def _tokens(stream) -> tuple[list[int], list[dict]]:
@@ -74,7 +73,7 @@ async def _shutdown(reps) -> None:
 
 def test_requests_over_links_get_the_same_tokens_as_in_process():
     async def main():
-        reps, chooser, _, client = await _linked(2)
+        reps, chooser, client = await _linked(2)
         plain = LocalEngineClient(reps)
         want = [(await _tokens(plain.generate(_request(i))))[0] for i in range(8)]
         got = await asyncio.gather(*(_tokens(client.generate(_request(i))) for i in range(8)))
@@ -89,18 +88,18 @@ def test_requests_over_links_get_the_same_tokens_as_in_process():
 
 def test_before_the_router_knows_a_link_requests_go_through_serve_and_read_the_link():
     async def main():
-        reps, chooser, transport, client = await _linked(1)
+        reps, chooser, client = await _linked(1)
         chooser.ready = False
         tokens, messages = await _tokens(client.generate(_request(0)))
         assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
-        assert chooser.calls == 0 and list(transport._links) == [reps[0].replica_id]
+        assert chooser.calls == 0 and list(client._links) == [reps[0].replica_id]
         await _shutdown(reps)
     run(main())
 
 
 def test_closing_a_stream_aborts_its_request_over_the_link():
     async def main():
-        reps, _, _, client = await _linked(1)
+        reps, _, client = await _linked(1)
         stream = client.generate(_request(0, max_tokens=LONG))
         assert (await stream.__anext__())["token_ids"]
         await wait_load(reps[0], 1)
@@ -112,7 +111,7 @@ def test_closing_a_stream_aborts_its_request_over_the_link():
 
 def test_one_choice_is_aborted_over_the_link_and_the_others_go_on():
     async def main():
-        reps, _, _, client = await _linked(1)
+        reps, _, client = await _linked(1)
         request = {**_request(0), "params": SamplingParams(max_tokens=LONG, ignore_eos=True, n=3)}
         stream = client.generate(request)
         first = await stream.__anext__()
@@ -132,12 +131,12 @@ def test_one_choice_is_aborted_over_the_link_and_the_others_go_on():
 
 def test_a_lost_link_raises_in_its_streams_and_aborts_their_requests():
     async def main():
-        reps, _, transport, client = await _linked(1)
+        reps, _, client = await _linked(1)
         streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(3)]
         for s in streams:
             await s.__anext__()
         await wait_load(reps[0], 3)
-        transport._links[reps[0].replica_id].writer.transport.abort()  # the connection drops
+        client._links[reps[0].replica_id].writer.transport.abort()  # the connection drops
         for s in streams:
             with pytest.raises(Unavailable, match="closed its link"):
                 async for _ in s:
@@ -152,7 +151,7 @@ def test_a_lost_link_raises_in_its_streams_and_aborts_their_requests():
 
 def test_a_replica_whose_link_failed_is_not_chosen_while_the_router_still_lists_it():
     async def main():
-        reps, chooser, transport, client = await _linked(2)
+        reps, chooser, client = await _linked(2)
         lost = client.generate(_request(0, max_tokens=LONG))  # round robin: the first replica
         await lost.__anext__()
         await reps[0]._link.close()  # its process is gone, as far as links go
@@ -171,7 +170,7 @@ def test_a_replica_whose_link_failed_is_not_chosen_while_the_router_still_lists_
 
 def test_a_replica_shutting_down_ends_its_link_after_draining():
     async def main():
-        reps, _, _, client = await _linked(1)
+        reps, _, client = await _linked(1)
         stream = client.generate(_request(0, max_tokens=LONG))
         await stream.__anext__()
         stopping = asyncio.ensure_future(reps[0].shutdown())  # drain 1 s, then abort what still runs
@@ -186,9 +185,8 @@ def test_a_replica_shutting_down_ends_its_link_after_draining():
 def test_an_unreachable_replica_fails_the_request_with_unavailable():
     async def main():
         token = new_token()
-        transport = LinkTransport(LocalEngineClient(_replicas(token)), token,
+        client = LinkEngineClient(LocalEngineClient(_replicas(token)), token,
                                   lambda request, avoid: ("gone", "127.0.0.1:9"))  # nothing listens on port 9
-        client = MuxEngineClient(transport)
         with pytest.raises(Unavailable, match="unreachable"):
             await _tokens(client.generate(_request(0)))
     run(main())
@@ -241,12 +239,11 @@ def test_a_forwarder_cancelled_as_its_drain_finishes_ends():
             self.forwarder.cancel()
 
     async def main():
-        hub = ReplicaHub(lambda request: None)
-        server = LinkServer(replica=None, hub=hub, token=new_token())
-        writer = Writer()
-        writer.forwarder = asyncio.ensure_future(server._forward("ingress", writer, {}))
-        await asyncio.sleep(0)  # subscribed
-        hub._channel("ingress").push(("r0", {"token_ids": [1], "finish_reason": None}, None))
+        server = LinkServer(replica=None, token=new_token())
+        writer, connection = Writer(), Connection("ingress")
+        writer.forwarder = asyncio.ensure_future(server.forward(connection, writer))
+        await asyncio.sleep(0)  # waiting for outputs
+        connection.push(("r0", {"token_ids": [1], "finish_reason": None}, None))
         done, _ = await asyncio.wait([writer.forwarder], timeout=5)
         assert done and writer.forwarder.cancelled(), "the forwarder went on after its cancellation"
         server._sock.close()

@@ -18,7 +18,8 @@ import msgspec
 import pytest
 
 import deployments.link as link
-from deployments.link import LinkTransport, new_token
+from deployments.link import new_token
+from deployments.link_client import LinkEngineClient
 from deployments.link_wire import Hello, Submit, frame
 from tests.serving_helpers import run
 from tests.test_link import _replicas, _request, _shutdown, _tokens
@@ -39,8 +40,8 @@ def _framed(data: bytes) -> bytes:
 
 
 async def _handshake(reader, writer, token: str) -> None:
-    ingress = LinkTransport(None, token, None)
-    ingress._ingress_id = "hostile"
+    ingress = LinkEngineClient(None, token)
+    ingress.ingress_id = "hostile"
     await ingress._handshake(reader, writer)
 
 
@@ -65,10 +66,9 @@ PAST_HANDSHAKE = {
 async def _still_serves(rep, token: str) -> None:
     """A real ingress gets a whole answer, and the hostile connection left no request behind."""
     from deployments.engine_client import LocalEngineClient
-    from deployments.mux import MuxEngineClient
-
+    
     chooser = lambda request, avoid: (rep.replica_id, rep.record_routing_stats()["link"])  # noqa: E731
-    client = MuxEngineClient(LinkTransport(LocalEngineClient([rep]), token, chooser))
+    client = LinkEngineClient(LocalEngineClient([rep]), token, chooser)
     tokens, messages = await _tokens(client.generate(_request(1)))
     assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
     stats = rep.engine.stats()

@@ -14,8 +14,8 @@ import pytest
 
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
-from deployments.link import LinkTls, LinkTransport, new_token
-from deployments.mux import MuxEngineClient
+from deployments.link import LinkTls, new_token
+from deployments.link_client import LinkEngineClient
 from deployments.replica import EngineReplica
 from tests.fake_engine import FakeAsyncEngine
 from tests.serving_helpers import run
@@ -58,9 +58,9 @@ def _replica(token: str, tls: LinkTls | None) -> EngineReplica:
     return EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=1, link_token=token, link_tls=tls)
 
 
-def _client(rep: EngineReplica, token: str, tls: LinkTls | None) -> MuxEngineClient:
+def _client(rep: EngineReplica, token: str, tls: LinkTls | None) -> LinkEngineClient:
     chooser = lambda request, avoid: (rep.replica_id, rep.record_routing_stats()["link"])  # noqa: E731
-    return MuxEngineClient(LinkTransport(LocalEngineClient([rep]), token, chooser, tls=tls))
+    return LinkEngineClient(LocalEngineClient([rep]), token, chooser, tls=tls)
 
 
 def test_requests_stream_over_a_mutual_tls_link(tmp_path):
@@ -73,8 +73,7 @@ def test_requests_stream_over_a_mutual_tls_link(tmp_path):
         client = _client(rep, token, tls)
         results = await asyncio.gather(*(_tokens(client.generate(_request(i))) for i in range(4)))
         assert all(len(tokens) == 12 and messages[-1]["finish_reason"] == "length" for tokens, messages in results)
-        transport = client.transport
-        (link,) = transport._links.values()
+        (link,) = client._links.values()
         assert link.writer.get_extra_info("ssl_object") is not None  # the frames went encrypted
         await _shutdown([rep])
     run(main())

@@ -157,20 +157,21 @@ def test_a_choice_counts_before_serve_reports_the_routing():
 
 
 def test_submitted_requests_count_until_their_streams_end():
-    """deployments.link: a linked submit ends at once; its request is load until the ingress's stream ends."""
+    """deployments.link: Serve's ``link_address`` call ends at once; its request is load until the ingress's
+    stream ends."""
     from types import SimpleNamespace
 
     router = _router()
     replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=_stats(0, updated_at=time.time() - 0.1))
                 for i in range(2)]
     for i in range(4):
-        request = {"prompt_token_ids": OTHER_PROMPT, "request_id": f"mux-{i}"}
-        ranks, pending = _choose(router, replicas, [request], request_id=f"call{i}", call_method="submit_linked")
+        request = {"prompt_token_ids": OTHER_PROMPT, "request_id": f"linked-{i}"}
+        ranks, pending = _choose(router, replicas, [request], request_id=f"call{i}", call_method="link_address")
         router.on_request_routed(pending, ranks[0][0], None)
-        router.on_request_completed(ranks[0][0], f"call{i}")  # the submit call returned
+        router.on_request_completed(ranks[0][0], f"call{i}")  # the call returned
     assert [router._load_of(r).running for r in replicas] == [2, 2]
     for i in range(4):
-        router.request_finished(f"mux-{i}")
+        router.request_finished(f"linked-{i}")
     assert [router._load_of(r).running for r in replicas] == [0, 0]
 
 

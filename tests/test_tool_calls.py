@@ -95,10 +95,9 @@ def replica(tiny_model_dir):
 def _frontend(replica, tiny_model_dir, tokenizer, parser: str = "hermes"):
     from deployments.engine_client import LocalEngineClient
     from deployments.frontend import Frontend, FrontendConfig
-    from deployments.mux import MuxEngineClient
 
     config = FrontendConfig(served_model_name="tiny", model=str(tiny_model_dir), tool_call_parser=parser)
-    return Frontend(config, tokenizer, MuxEngineClient(LocalEngineClient([replica])))
+    return Frontend(config, tokenizer, LocalEngineClient([replica]))
 
 
 @pytest.fixture(scope="module")

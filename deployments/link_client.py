@@ -1,0 +1,292 @@
+"""The ingress's side of the engine links (``deployments.link``): an ``EngineClient``.
+
+Each request goes to the replica the slot-aware router picks (``choose``), written on this
+ingress's one connection to that replica; a reader per connection hands each stream its
+messages. A stream looks to the frontend like a single request's stream: messages, the last one
+finished, errors raised where they happened. A connection that fails (closed, keepalive expired,
+a bad frame) raises ``Unavailable`` in every stream it carried, which the frontend resumes
+elsewhere, and its replica is not chosen again for ``AVOID_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hmac
+import secrets
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+import msgspec
+
+from deployments.engine_client import ends_request
+from deployments.errors import Unavailable
+from deployments.link import aborted_message
+from deployments.link_wire import (MAC_BYTES, NONCE_BYTES, Abort, Hello, LinkTls, Submit, check_token, frame, keepalive,
+                                   mac, read_outputs, wire_id)
+
+CONNECT_TIMEOUT_S = 5.0
+AVOID_S = 30.0
+"""A replica whose link failed is not chosen again for this long: the router's view (Serve's)
+still lists a dead replica for a while, and the requests it lost resume at once."""
+
+Chooser = Callable[[dict, frozenset], "tuple[str, str] | None"]
+
+
+def merge_messages(first: dict, later: dict) -> dict:
+    """Two consecutive engine messages of one request as one: tokens (and logprobs) joined,
+    everything else (counts, finish reason) as of the later one."""
+    merged = {**later, "token_ids": list(first["token_ids"]) + list(later["token_ids"])}
+    if first.get("prompt_logprobs") is not None:  # on a choice's first message only
+        merged["prompt_logprobs"] = first["prompt_logprobs"]
+    if first.get("logprobs") is not None or later.get("logprobs") is not None:
+        merged["logprobs"] = list(first.get("logprobs") or ()) + list(later.get("logprobs") or ())
+    return merged
+
+
+class LinkStream:
+    """One request's messages, fed by its replica's connection (``EngineStream`` contract)."""
+
+    def __init__(self, client: "LinkEngineClient", request: dict) -> None:
+        self._client = client
+        self.request = request
+        self.request_id = request["request_id"]
+        self.wire_id = wire_id(request)
+        self.replica_id: str | None = None
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.started = False
+        self.done = False
+        self.abort_wanted = False
+        self._pending_error: BaseException | None = None
+        self._held: list[dict] = []  # caught up with, handed out one per call
+
+    def __aiter__(self) -> "LinkStream":
+        return self
+
+    async def __anext__(self) -> dict:
+        if self.done:
+            raise StopAsyncIteration
+        if not self.started:
+            self.started = True
+            self._client.start(self)
+        if self._held:
+            message, error = self._held.pop(0), None
+        elif self._pending_error is not None:
+            message, error = None, self._pending_error
+        else:
+            message, error = await self.queue.get()
+            if error is None and not self.queue.empty():
+                message = self._catch_up(message)
+        if error is not None or ends_request(message):
+            self.done = True
+            self._client.forget(self)
+        if error is not None:
+            raise error
+        return message
+
+    def _catch_up(self, message: dict) -> dict:
+        """Behind: everything queued as one message per choice (one hop less per step missed), the
+        one that ends the request last; an error that came is raised after them."""
+        by_choice = {message.get("index", 0): message}
+        while not self.queue.empty():
+            later, error = self.queue.get_nowait()
+            if error is not None:
+                self._pending_error = error
+                break
+            i = later.get("index", 0)
+            by_choice[i] = merge_messages(by_choice[i], later) if i in by_choice else later
+        first, *self._held = sorted(by_choice.values(), key=ends_request)
+        return first
+
+    def abort(self, index: int | None = None) -> None:
+        if index is None:
+            self.abort_wanted = True  # still submitting: the abort goes out once the replica is known
+        if self.replica_id is not None and not self.done:
+            self._client.spawn(self._client.abort_on(self.request_id, self.replica_id, index))
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.abort()
+            self.done = True
+            self._client.forget(self)
+
+
+class _Link:
+    """This ingress's connection to one replica: writes from anywhere, one reader task."""
+
+    def __init__(self, replica_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.replica_id = replica_id
+        self.reader = reader
+        self.writer = writer
+        self.closed = False
+
+    def send(self, message: Submit | Abort) -> None:
+        if self.closed:
+            raise Unavailable(f"the link to engine replica {self.replica_id} is closed")
+        self.writer.write(frame(message))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.writer.close()
+
+
+class LinkEngineClient:
+    """``EngineClient`` over engine links; ``serve`` (``ingress.HandleEngineClient``, or
+    ``engine_client.LocalEngineClient`` in tests) carries what is not per request.
+
+    ``choose(request, avoid)``: ``(replica_id, link address)`` from the slot-aware router, among
+    replicas not in ``avoid``; None when it has none with a link (yet): then ``serve.link_address``
+    (a call Serve routes and queues) names the replica. ``on_done(request_id)``: a stream ended (the
+    router stops counting it as load).
+    """
+
+    def __init__(self, serve: Any, token: str, choose: Chooser | None = None, tls: LinkTls | None = None,
+                 on_done: Callable[[str], None] | None = None) -> None:
+        check_token(token)
+        self._ssl = tls.context(server=False) if tls is not None else None
+        self._serve = serve
+        self._token = bytes.fromhex(token)
+        self._choose = choose or (lambda request, avoid: None)
+        self._on_done = on_done
+        self.ingress_id = uuid.uuid4().hex
+        self._streams: dict[str, LinkStream] = {}
+        self._links: dict[str, _Link] = {}
+        self._opening: dict[str, asyncio.Future] = {}
+        self._failed: dict[str, float] = {}  # replica id -> when its link failed
+        self._tasks: set[asyncio.Task] = set()
+
+    def generate(self, request: dict) -> LinkStream:
+        return LinkStream(self, {**request, "ingress_id": self.ingress_id})
+
+    def start(self, stream: LinkStream) -> None:
+        # Registered before submitting: the first message can come before the submit returns.
+        self._streams[stream.wire_id] = stream
+        self.spawn(self._submit(stream))
+
+    async def _submit(self, stream: LinkStream) -> None:
+        try:
+            link = await self._link_for(stream.request)
+            stream.replica_id = link.replica_id  # from here on, the link's failure reaches the stream
+            if stream.abort_wanted:  # aborted or closed while submitting: it ends as an abort, never sent
+                stream.queue.put_nowait((aborted_message(stream.request), None))
+                return
+            link.send(Submit(stream.request))
+        except Exception as exc:  # noqa: BLE001 - refused, no replica, unreachable: the stream raises it
+            stream.queue.put_nowait((None, exc))
+
+    async def _link_for(self, request: dict) -> _Link:
+        choice = self._choose(request, self._avoid())
+        if choice is None:
+            choice = await self._serve.link_address(request)
+        replica_id, address = choice
+        link = self._links.get(replica_id)
+        if link is not None and not link.closed:
+            return link
+        opening = self._opening.get(replica_id)
+        if opening is None:  # one connection per replica, however many requests ask at once
+            opening = self._opening[replica_id] = asyncio.ensure_future(self._open(replica_id, address))
+            opening.add_done_callback(lambda _: self._opening.pop(replica_id, None))
+        return await asyncio.shield(opening)
+
+    def _avoid(self) -> frozenset:
+        now = time.monotonic()
+        for rid in [rid for rid, t in self._failed.items() if now - t > AVOID_S]:
+            del self._failed[rid]
+        return frozenset(self._failed)
+
+    async def _open(self, replica_id: str, address: str) -> _Link:
+        host, _, port = address.rpartition(":")
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=self._ssl)
+        except (OSError, asyncio.TimeoutError) as exc:
+            self._failed[replica_id] = time.monotonic()
+            raise Unavailable(f"engine replica {replica_id} at {address} unreachable: {exc!r}") from None
+        keepalive(writer.get_extra_info("socket"))
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await self._handshake(reader, writer)
+        except BaseException as exc:
+            writer.close()
+            if isinstance(exc, (OSError, asyncio.IncompleteReadError, Unavailable)):  # OSError: also the timeout
+                self._failed[replica_id] = time.monotonic()
+                raise Unavailable(f"engine replica {replica_id} at {address}: handshake failed ({exc})") from None
+            raise
+        link = self._links[replica_id] = _Link(replica_id, reader, writer)
+        self.spawn(self._read(link))
+        return link
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Prove the token to the replica, and have it prove the token first (nothing it sends is
+        read before that)."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        writer.write(nonce)
+        answer = await reader.readexactly(NONCE_BYTES + MAC_BYTES)
+        replica_nonce, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+        if not hmac.compare_digest(proof, mac(self._token, b"replica", nonce, replica_nonce)):
+            raise Unavailable(f"{writer.get_extra_info('peername')} does not hold this application's "
+                              "engine link token")
+        writer.write(mac(self._token, b"ingress", nonce, replica_nonce) + frame(Hello(self.ingress_id)))
+
+    async def _read(self, link: _Link) -> None:
+        try:
+            while True:
+                for key, message, exc in await read_outputs(link.reader):
+                    stream = self._streams.get(key)
+                    if stream is not None:
+                        stream.queue.put_nowait((message, exc))
+        except (asyncio.IncompleteReadError, OSError) as exc:  # OSError: also a keepalive's ETIMEDOUT
+            error = Unavailable(f"engine replica {link.replica_id} closed its link ({type(exc).__name__})")
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            error = Unavailable(f"engine replica {link.replica_id} sent a bad frame ({exc})")
+        except Exception as exc:  # noqa: BLE001 - the link is unusable either way: its streams resume elsewhere
+            error = Unavailable(f"engine replica {link.replica_id}'s link failed ({exc!r})")
+        finally:
+            link.close()  # before the streams hear it: none is submitted on this link after
+        self._failed[link.replica_id] = time.monotonic()
+        if self._links.get(link.replica_id) is link:
+            del self._links[link.replica_id]
+        for stream in [s for s in self._streams.values() if s.replica_id == link.replica_id and not s.done]:
+            stream.queue.put_nowait((None, error))
+
+    def forget(self, stream: LinkStream) -> None:
+        if self._streams.get(stream.wire_id) is stream:
+            del self._streams[stream.wire_id]
+            if self._on_done is not None:
+                self._on_done(stream.request_id)
+
+    def spawn(self, coro: Awaitable) -> asyncio.Task:
+        # A fresh context: Serve's request context would tie this call to the request that
+        # happened to start it (Serve indexes in-flight calls by the request they serve).
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
+        """Abort a request (or its choice ``index``) on the replica running it."""
+        link = self._links.get(replica_id)
+        if link is None or link.closed:  # its link is gone, and the request with it
+            return False
+        link.send(Abort(request_id, index))
+        return True
+
+    # -- the rest of the engine client, through Serve
+
+    async def model_info(self) -> dict:
+        return await self._serve.model_info()
+
+    async def replica_loads(self) -> list[dict]:
+        return await self._serve.replica_loads()
+
+    async def manage_lora(self, name: str, path: str | None) -> int:
+        return await self._serve.manage_lora(name, path)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it runs (a request of another ingress: every replica is asked)."""
+        for link in self._links.values():
+            if not link.closed:
+                link.send(Abort(request_id))
+        return await self._serve.abort(request_id)
