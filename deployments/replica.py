@@ -1,11 +1,14 @@
 """EngineReplica: one AsyncEngine per Serve replica (one per GPU, or CPUs on a laptop).
 
 The class is plain Python (Serve wraps it in ``app.build_app``), so it is tested
-in-process with a fake engine (tests/fake_engine.py). What Serve calls on it:
+in-process with a fake engine (tests/fake_engine.py). Requests arrive on its engine link
+(``deployments.link``), which streams each through ``generate(request)``: an async generator,
+one small dict per engine message (the engine coalesces: all tokens since the previous
+message), never one per token; cancelling or closing it aborts the engine request. What Serve
+calls on it:
 
-- ``generate(request)``: an async generator, one small dict per engine message (the
-  engine coalesces: all tokens since the previous message), never one per token.
-  Cancellation (the caller went away) or closing it aborts the engine request.
+- ``link_address(request)``: which replica takes a request, for an ingress whose router has
+  not heard from any replica yet (routed and queued by Serve; the request then comes over the link).
 - ``record_routing_stats()``: the routing contract read by ``router/`` (see below).
 - ``record_autoscaling_stats()``: ``slot_occupancy``, ``waiting`` and ``max_num_seqs`` for
   the autoscaler (router.autoscale).
