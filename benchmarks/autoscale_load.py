@@ -27,9 +27,9 @@ _STOPPING = re.compile(_TS + r" .*? -- Stopping Replica\(id='([^']+)', deploymen
 _STOPPED = re.compile(_TS + r" .*? -- Replica\(id='([^']+)', deployment='([^']+)', app='[^']*'\) is stopped")
 _STARTED = re.compile(r" -- Replica\(id='([^']+)', deployment='[^']+', app='[^']*'\) started successfully .*?"
                       r"after ([\d.]+)s .*?took ([\d.]+)s")
-# A request reaches an engine replica over its ingress's engine link (the link's access lines),
-# or as a Serve stream of its own (generate: Serve's, with a request id before "--").
-_CALL = re.compile(_TS + r" \S+ (\S+) (?:\S+ )?-- (?:CALL generate|LINK \S+) (\w+) ([\d.]+)ms")
+# A request reaches an engine replica over its ingress's engine link: the link's access lines
+# (Serve's own CALL lines are for calls that are not requests: link_address, model_info, stats).
+_CALL = re.compile(_TS + r" \S+ (\S+) (?:\S+ )?-- LINK \S+ (\w+) ([\d.]+)ms")
 
 
 def _wall(ts: str) -> float:
@@ -309,8 +309,8 @@ def replica_start(log_dir: Path, replica_id: str) -> tuple[float, float] | None:
 
 
 def engine_calls(log_dir: Path, app: str, replica_id: str) -> list[tuple[float, float, str]]:
-    """(start, end, status) of every request call (generate, submit), subscription and linked
-    request (deployments.link) the replica served, from its Serve log; not stats or model_info."""
+    """(start, end, status) of every request the replica served over engine links (deployments.link),
+    from its Serve log."""
     calls = []
     for path in log_dir.glob(f"replica_{app}_{ENGINE_DEPLOYMENT}_{replica_id}*.log"):
         for line in path.read_text(errors="replace").splitlines():

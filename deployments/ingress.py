@@ -5,8 +5,8 @@ One class serves both protocols: Serve's gRPC proxy calls the RPC-named methods
 start (``__serve_build_asgi_app__``). Requests reach engine replicas over engine links
 (deployments.link), to the replica the slot-aware router Serve runs in this process picks,
 which also gives the replicas' loads; a DeploymentHandle of the EngineReplica deployment
-carries the rest (model info, aborts of other ingresses' requests, and which replica takes an
-ingress's first requests, before its router has heard from any).
+carries the rest (model info, LoRA loads, and which replica takes an ingress's first requests,
+before its router has heard from any).
 """
 
 from __future__ import annotations
@@ -56,21 +56,11 @@ class HandleEngineClient:
             return []
         return router.replica_stats()
 
-    async def abort(self, request_id: str) -> bool:
-        """Asks every replica: one call each, pinned to it by the slot-aware router."""
+    async def manage_lora(self, name: str, path: str | None) -> int:
+        """Every replica loads (or unloads) the adapter: one call each, pinned to it by the slot-aware router."""
         # One at a time: handle calls made while serving one request share its internal request id,
         # and Serve's router (2.60) indexes pending calls by it, so a second concurrent call is
         # never matched to the replica chosen for it and hangs.
-        for stats in await self.replica_loads():
-            try:
-                if await self.abort_on(request_id, stats["replica_id"]) is True:
-                    return True
-            except Exception as exc:  # noqa: BLE001 - a replica going away: ask the others
-                logger.info("abort on replica %s failed: %s", stats["replica_id"], exc)
-        return False
-
-    async def manage_lora(self, name: str, path: str | None) -> int:
-        """Every replica loads (or unloads) the adapter: one pinned call each, one at a time (as aborts)."""
         done = 0
         for stats in await self.replica_loads():
             await self._handle.manage_lora.remote({"replica_id": stats["replica_id"], "lora_name": name,
@@ -81,9 +71,6 @@ class HandleEngineClient:
     async def link_address(self, request: dict) -> tuple[str, str]:
         """A replica for ``request`` and its link address, routed (and queued) by Serve."""
         return await self._handle.link_address.remote(request)
-
-    async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
-        return await self._handle.abort.remote({"request_id": request_id, "replica_id": replica_id, "index": index})
 
     def choose(self, request: dict, avoid: frozenset) -> tuple[str, str] | None:
         router = self.router()

@@ -38,8 +38,8 @@ from typing import AsyncIterator, Protocol
 import msgspec
 
 from deployments.engine_client import ends_request
-from deployments.link_wire import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, Abort, Hello, LinkTls, Submit, check_token,
-                                   keepalive, mac, new_token, outputs, read_ingress_frame, wire_id)
+from deployments.link_wire import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, Submit,
+                                   check_token, frame, keepalive, mac, new_token, outputs, read_ingress_frame, wire_id)
 
 __all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTls", "check_token", "new_token"]
 
@@ -78,7 +78,7 @@ class Replica(Protocol):
 
     def generate(self, request: dict) -> AsyncIterator[dict]: ...
 
-    def abort(self, request: str, index: int | None = None) -> bool: ...
+    def abort(self, request_id: str, index: int | None = None) -> bool: ...
 
 
 class Connection:
@@ -174,7 +174,9 @@ class LinkServer:
                 if isinstance(message, Submit):
                     self.submit(connection, message.request.as_dict())
                 elif isinstance(message, Abort):
-                    self._abort(connection, message)
+                    found = self._abort(connection, message)
+                    if message.reply is not None:
+                        writer.write(frame(Found(message.reply, found)))
                 else:
                     raise ValueError(f"unexpected {type(message).__name__} frame")
         except (asyncio.IncompleteReadError, OSError, asyncio.TimeoutError):
@@ -204,13 +206,13 @@ class LinkServer:
         connection.unstarted[key] = request
         connection.pumps[key] = asyncio.get_running_loop().create_task(self._pump(connection, key, request))
 
-    def _abort(self, connection: Connection, abort: Abort) -> None:
+    def _abort(self, connection: Connection, abort: Abort) -> bool:
         key = next((k for k, r in connection.unstarted.items() if r["request_id"] == abort.request_id), None)
         if key is not None and abort.index is None:  # its submit came in the same read: it never runs
             connection.pumps.pop(key).cancel()
             connection.push((key, aborted_message(connection.unstarted.pop(key)), None))
-            return
-        self._replica.abort(abort.request_id, abort.index)
+            return True
+        return self._replica.abort(abort.request_id, abort.index)
 
     async def _pump(self, connection: Connection, key: str, request: dict) -> None:
         connection.unstarted.pop(key, None)

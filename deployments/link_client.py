@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hmac
+import itertools
 import secrets
 import time
 import uuid
@@ -23,10 +24,11 @@ import msgspec
 from deployments.engine_client import ends_request
 from deployments.errors import Unavailable
 from deployments.link import aborted_message
-from deployments.link_wire import (MAC_BYTES, NONCE_BYTES, Abort, Hello, LinkTls, Submit, check_token, frame, keepalive,
-                                   mac, read_outputs, wire_id)
+from deployments.link_wire import (MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, Submit, check_token, frame,
+                                   keepalive, mac, read_outputs, wire_id)
 
 CONNECT_TIMEOUT_S = 5.0
+ABORT_REPLY_S = 10.0
 AVOID_S = 30.0
 """A replica whose link failed is not chosen again for this long: the router's view (Serve's)
 still lists a dead replica for a while, and the requests it lost resume at once."""
@@ -156,6 +158,8 @@ class LinkEngineClient:
         self._opening: dict[str, asyncio.Future] = {}
         self._failed: dict[str, float] = {}  # replica id -> when its link failed
         self._tasks: set[asyncio.Task] = set()
+        self._replies: dict[int, tuple[_Link, asyncio.Future]] = {}  # aborts by request id awaiting Found
+        self._reply_ids = itertools.count()
 
     def generate(self, request: dict) -> LinkStream:
         return LinkStream(self, {**request, "ingress_id": self.ingress_id})
@@ -180,7 +184,9 @@ class LinkEngineClient:
         choice = self._choose(request, self._avoid())
         if choice is None:
             choice = await self._serve.link_address(request)
-        replica_id, address = choice
+        return await self._link_to(*choice)
+
+    async def _link_to(self, replica_id: str, address: str) -> _Link:
         link = self._links.get(replica_id)
         if link is not None and not link.closed:
             return link
@@ -233,7 +239,13 @@ class LinkEngineClient:
     async def _read(self, link: _Link) -> None:
         try:
             while True:
-                for key, message, exc in await read_outputs(link.reader):
+                batch = await read_outputs(link.reader)
+                if isinstance(batch, Found):
+                    _, answer = self._replies.get(batch.reply, (None, None))
+                    if answer is not None and not answer.done():
+                        answer.set_result(batch.found)
+                    continue
+                for key, message, exc in batch:
                     stream = self._streams.get(key)
                     if stream is not None:
                         stream.queue.put_nowait((message, exc))
@@ -250,6 +262,9 @@ class LinkEngineClient:
             del self._links[link.replica_id]
         for stream in [s for s in self._streams.values() if s.replica_id == link.replica_id and not s.done]:
             stream.queue.put_nowait((None, error))
+        for on, answer in self._replies.values():
+            if on is link and not answer.done():
+                answer.set_exception(error)
 
     def forget(self, stream: LinkStream) -> None:
         if self._streams.get(stream.wire_id) is stream:
@@ -273,7 +288,7 @@ class LinkEngineClient:
         link.send(Abort(request_id, index))
         return True
 
-    # -- the rest of the engine client, through Serve
+    # -- what is not per request, through Serve
 
     async def model_info(self) -> dict:
         return await self._serve.model_info()
@@ -285,8 +300,21 @@ class LinkEngineClient:
         return await self._serve.manage_lora(name, path)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request wherever it runs (a request of another ingress: every replica is asked)."""
-        for link in self._links.values():
-            if not link.closed:
-                link.send(Abort(request_id))
-        return await self._serve.abort(request_id)
+        """Abort a request wherever it runs (one another ingress streams too): every replica with a
+        link is asked over it, all at once; True when one ran it."""
+        replicas = [(s["replica_id"], s["link"]) for s in await self._serve.replica_loads()
+                    if isinstance(s.get("link"), str)]
+        answers = await asyncio.gather(*(self._ask_abort(request_id, *r) for r in replicas), return_exceptions=True)
+        return any(answer is True for answer in answers)
+
+    async def _ask_abort(self, request_id: str, replica_id: str, address: str) -> bool:
+        link = await self._link_to(replica_id, address)
+        reply = next(self._reply_ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._replies[reply] = link, answer
+        try:
+            link.send(Abort(request_id, reply=reply))
+            async with asyncio.timeout(ABORT_REPLY_S):
+                return await answer
+        finally:
+            del self._replies[reply]

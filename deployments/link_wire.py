@@ -90,12 +90,21 @@ class Abort(msgspec.Struct, tag="abort"):
     request_id: str
     index: int | None = None
     """Only this choice of the request (``n`` > 1)."""
+    reply: int | None = None
+    """Answer with ``Found(reply, ...)``: an abort by request id, of a stream another ingress may hold."""
 
 
 IngressFrame = Union[Hello, Submit, Abort]
 
 
 # -- replica -> ingress: batches of outputs, one per engine step
+
+class Found(msgspec.Struct, tag="found"):
+    """The answer to an ``Abort`` with ``reply``: whether the request ran here (it is now aborted)."""
+
+    reply: int
+    found: bool
+
 
 class StreamMessage(msgspec.Struct):
     """``replica.stream_message``: one engine step's tokens of one request (sent as that dict)."""
@@ -137,7 +146,7 @@ replica from an overloaded one by class."""
 
 _encoder = msgspec.msgpack.Encoder()
 _ingress_frames = msgspec.msgpack.Decoder(IngressFrame)
-_output_frames = msgspec.msgpack.Decoder(list[Output])
+_replica_frames = msgspec.msgpack.Decoder(Union[list[Output], Found])
 
 
 def wire_error(exc: BaseException) -> WireError:
@@ -222,9 +231,10 @@ async def read_ingress_frame(reader: asyncio.StreamReader) -> IngressFrame:
     return _ingress_frames.decode(await _read(reader))
 
 
-async def read_outputs(reader: asyncio.StreamReader) -> list[tuple]:
-    """The next batch from a replica, as ``as_item`` items."""
-    return [as_item(output) for output in _output_frames.decode(await _read(reader))]
+async def read_outputs(reader: asyncio.StreamReader) -> list[tuple] | Found:
+    """The next frame from a replica: a batch (``as_item`` items), or an abort's answer."""
+    frame = _replica_frames.decode(await _read(reader))
+    return frame if isinstance(frame, Found) else [as_item(output) for output in frame]
 
 
 def outputs(batch: list[tuple]) -> bytes:

@@ -204,14 +204,9 @@ class EngineReplica:
                 pass
         return self._link_started
 
-    def abort(self, request: str | dict, index: int | None = None) -> bool:
-        """Abort by server request id (or ``{"request_id": ..., "index": ...}``, the form a pinned
-        handle call carries); the stream then ends with finish_reason "abort". ``index``: only that
-        choice ends, the others go on. False: not running here."""
-        if isinstance(request, dict):
-            request_id, index = request["request_id"], request.get("index")
-        else:
-            request_id = request
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Abort by server request id; the stream then ends with finish_reason "abort". ``index``:
+        only that choice ends, the others go on. False: not running here."""
         if request_id not in self._active:
             return False
         self._engine.abort(request_id, index)

@@ -61,7 +61,7 @@ def _request_dict(pending_request: PendingRequest | None) -> Mapping | None:
 
 
 def pinned_replica(pending_request: PendingRequest | None) -> str | None:
-    """The replica a call names (``{"replica_id": ...}``): an abort sent to every replica in turn."""
+    """The replica a call names (``{"replica_id": ...}``): a LoRA load sent to every replica in turn."""
     request = _request_dict(pending_request)
     target = request.get("replica_id") if request is not None else None
     return target if isinstance(target, str) else None

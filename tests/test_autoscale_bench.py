@@ -21,12 +21,11 @@ INFO 2026-11-22 01:26:08,000 controller 1 -- Stopping Replica(id='bbb', deployme
 INFO 2026-11-22 01:26:12,500 controller 1 -- Replica(id='bbb', deployment='EngineReplica', app='slotserve') is stopped.
 """
 REPLICA = """\
-INFO 2026-11-22 01:26:01,000 slotserve_EngineReplica bbb r1 -- CALL generate OK 2000.0ms
-INFO 2026-11-22 01:26:09,000 slotserve_EngineReplica bbb r2 -- CALL generate OK 3000.0ms
+INFO 2026-11-22 01:26:01,000 slotserve_EngineReplica bbb -- LINK r1 OK 2000.0ms
+INFO 2026-11-22 01:26:09,000 slotserve_EngineReplica bbb -- LINK r2 OK 3000.0ms
 INFO 2026-11-22 01:26:10,000 slotserve_EngineReplica bbb r3 -- CALL model_info OK 3.0ms
-INFO 2026-11-22 01:26:12,000 slotserve_EngineReplica bbb r4 -- CALL generate ERROR 4500.0ms
-INFO 2026-11-22 01:26:12,100 slotserve_EngineReplica bbb r5 -- CALL submit OK 1.0ms
-INFO 2026-11-22 01:26:13,000 slotserve_EngineReplica bbb r6 -- CALL subscribe OK 6000.0ms
+INFO 2026-11-22 01:26:12,000 slotserve_EngineReplica bbb -- LINK r4 ERROR 4500.0ms
+INFO 2026-11-22 01:26:12,100 slotserve_EngineReplica bbb r5 -- CALL link_address OK 1.0ms
 INFO 2026-11-22 01:26:14,000 slotserve_EngineReplica bbb -- LINK 6f94488976c54b46 OK 6500.0ms
 INFO 2026-11-22 01:26:14,100 slotserve_EngineReplica bbb -- LINK 0241 CANCELLED 1000.0ms
 """
@@ -46,11 +45,10 @@ def test_serve_log_lines_are_read(tmp_path):
     stopping, stopped = replica_stop_times(tmp_path, "bbb")
     assert (stopping, stopped) == (_t("2026-11-22 01:26:08,000"), _t("2026-11-22 01:26:12,500"))
     calls = engine_calls(tmp_path, "slotserve", "bbb")
-    # by start; model_info is not a request; linked requests have their own lines
-    assert [c[2] for c in calls] == ["OK", "OK", "OK", "ERROR", "OK", "OK", "CANCELLED"]
-    # r1 ended before the stop; r2 (started 01:26:06), r4 (started 01:26:07.5), the
-    # subscription r6 (started 01:26:07) and the linked one (started 01:26:07.5) spanned it.
-    assert [c[2] for c in calls_across(calls, stopping)] == ["OK", "OK", "ERROR", "OK"]
+    # by start; model_info and link_address are Serve calls, not requests
+    assert [c[2] for c in calls] == ["OK", "OK", "ERROR", "OK", "CANCELLED"]
+    # r1 ended before the stop; r2 (started 01:26:06), r4 and 6f94... (both started 01:26:07.5) spanned it.
+    assert [c[2] for c in calls_across(calls, stopping)] == ["OK", "ERROR", "OK"]
 
 
 def test_outcome_is_complete_only_with_every_token():

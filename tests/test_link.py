@@ -129,6 +129,23 @@ def test_one_choice_is_aborted_over_the_link_and_the_others_go_on():
     run(main())
 
 
+def test_an_abort_by_request_id_reaches_a_stream_another_ingress_holds():
+    async def main():
+        token = new_token()
+        reps = _replicas(token, 2)
+        await asyncio.sleep(0)
+        holder, other = (LinkEngineClient(LocalEngineClient(reps), token, RoundRobin(reps)) for _ in range(2))
+        stream = holder.generate(_request(0, max_tokens=LONG))
+        assert (await stream.__anext__())["token_ids"]
+        assert await other.abort("r0") is True  # asked over its own links to both replicas
+        assert [m async for m in stream][-1]["finish_reason"] == "abort"
+        assert await other.abort("r0") is False and await other.abort("no-such-request") is False
+        assert len(other._links) == 2 and not other._replies
+        await wait_idle(reps)
+        await _shutdown(reps)
+    run(main())
+
+
 def test_a_lost_link_raises_in_its_streams_and_aborts_their_requests():
     async def main():
         reps, _, client = await _linked(1)
