@@ -302,10 +302,20 @@ class LinkEngineClient:
     async def abort(self, request_id: str) -> bool:
         """Abort a request wherever it runs (one another ingress streams too): every replica with a
         link is asked over it, all at once; True when one ran it."""
-        replicas = [(s["replica_id"], s["link"]) for s in await self._serve.replica_loads()
-                    if isinstance(s.get("link"), str)]
+        replicas = await self._linked_replicas()
         answers = await asyncio.gather(*(self._ask_abort(request_id, *r) for r in replicas), return_exceptions=True)
         return any(answer is True for answer in answers)
+
+    async def _linked_replicas(self) -> list[tuple[str, str]]:
+        """``(replica id, link address)`` of every replica, as Serve's router polled them. An ingress
+        that has routed nothing yet has no such view: it waits for one, up to ``ABORT_REPLY_S``."""
+        deadline = time.monotonic() + ABORT_REPLY_S
+        while True:
+            replicas = [(s["replica_id"], s["link"]) for s in await self._serve.replica_loads()
+                        if isinstance(s.get("link"), str)]
+            if replicas or time.monotonic() > deadline:
+                return replicas
+            await asyncio.sleep(0.1)
 
     async def _ask_abort(self, request_id: str, replica_id: str, address: str) -> bool:
         link = await self._link_to(replica_id, address)

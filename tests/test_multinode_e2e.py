@@ -110,6 +110,34 @@ def _engine_nodes() -> dict[str, str]:
     return _replica_nodes("EngineReplica")
 
 
+def _ingress_stubs(first_port: int) -> list:
+    """Stubs straight to each ingress replica's own gRPC server (HAProxy mode), the ingress node's first."""
+    stubs = []
+    for port in range(first_port, first_port + 16):
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            grpc.channel_ready_future(channel).result(timeout=2)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            continue
+        stubs.append(slotserve_pb2_grpc.SlotServeStub(channel))
+    return stubs
+
+
+def test_an_abort_reaches_a_stream_the_other_ingress_holds(nodes):
+    from deployments.ingress_env import INGRESS_REPLICA_PORTS
+
+    holder, other = _ingress_stubs(INGRESS_REPLICA_PORTS["GRPC"][0])[:2]
+    stream = holder.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=_prompt(0)), sampling=pb.SamplingOptions(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=120)
+    first = next(stream)
+    assert other.Abort(pb.AbortRequest(request_id=first.request_id), timeout=30).found  # over its engine links
+    rest = list(stream)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert sum(len(m.token_ids) for m in [first, *rest]) < MAX_TOKENS
+    assert not other.Abort(pb.AbortRequest(request_id=first.request_id), timeout=30).found
+
+
 def test_a_lost_engine_node_loses_no_stream_and_its_replica_returns_on_another(nodes, tiny_model_dir):
     cluster, workers, _, stub = nodes
     want = offline_tokens(tiny_model_dir)
