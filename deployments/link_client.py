@@ -103,9 +103,9 @@ class LinkStream:
 
     def abort(self, index: int | None = None) -> None:
         if index is None:
-            self.abort_wanted = True  # still submitting: the abort goes out once the replica is known
+            self.abort_wanted = True  # still submitting: the request is never sent, and ends as aborted
         if self.replica_id is not None and not self.done:
-            self._client.spawn(self._client.abort_on(self.request_id, self.replica_id, index))
+            self._client.abort_on(self.request_id, self.replica_id, index)
 
     async def aclose(self) -> None:
         if not self.done:
@@ -280,7 +280,7 @@ class LinkEngineClient:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
+    def abort_on(self, request_id: str, replica_id: str, index: int | None = None) -> bool:
         """Abort a request (or its choice ``index``) on the replica running it."""
         link = self._links.get(replica_id)
         if link is None or link.closed:  # its link is gone, and the request with it
