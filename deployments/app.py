@@ -308,7 +308,7 @@ def engine_deployment_options(cfg: AppConfig) -> dict[str, Any]:
         options["autoscaling_config"] = _autoscaling_config(cfg)
     else:
         options["num_replicas"] = cfg.num_replicas
-    # The ingress routes with this router (found through router.inflight), and Serve with it too for
+    # The ingress routes with this router (it attaches itself to the ingress), and Serve with it too for
     # the calls it still makes (the first requests of an ingress, loads, aborts).
     options["request_router_config"] = request_router_config(
         period_s=cfg.routing_stats_period_s, model_name=cfg.model_name, lora_affinity=cfg.lora_affinity)

@@ -3,8 +3,8 @@
 One class serves both protocols: Serve's gRPC proxy calls the RPC-named methods
 (``grpc_service.SlotServeGrpcMixin``), its HTTP proxy the FastAPI app built at replica
 start (``__serve_build_asgi_app__``). Requests reach engine replicas over engine links
-(deployments.link), to the replica the slot-aware router Serve runs in this process picks,
-which also gives the replicas' loads; a DeploymentHandle of the EngineReplica deployment
+(deployments.link), to the replica the slot-aware router Serve runs in this process picks
+(it attaches itself here: ``attach_link_router``), which also gives the replicas' loads; a DeploymentHandle of the EngineReplica deployment
 carries the rest (model info, LoRA loads, and which replica takes an ingress's first requests,
 before its router has heard from any).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -22,24 +23,42 @@ from deployments.grpc_service import SlotServeGrpcMixin
 from deployments.link import LinkTls
 from deployments.link_client import LinkEngineClient
 from deployments.openai_api import build_openai_app
-from router import inflight
 
 logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 
 
+class LinkRouter(Protocol):
+    """What the ingress asks of ``router.request_router.SlotAwareRequestRouter``."""
+
+    def choose_for_link(self, request: dict, avoid: frozenset = frozenset()) -> "tuple[str, str] | None":
+        """``(replica_id, link address)`` for ``request``, not one in ``avoid``; counted as sent."""
+
+    def request_finished(self, request_id: str) -> None:
+        """A request sent with ``choose_for_link`` ended: it takes no slot any more."""
+
+    def replica_stats(self) -> list[dict]:
+        """The routing stats of every running replica, as last polled (``healthy: False`` when none yet)."""
+
+
 class HandleEngineClient:
     """What goes through Serve (``link_client.LinkEngineClient``'s ``serve``), and what the router
-    Serve runs in this process knows (``router.inflight``)."""
+    Serve runs in this process knows, once it has attached itself (``attach``)."""
 
     def __init__(self, handle: DeploymentHandle, deployment: str) -> None:
         self._handle = handle
         self._deployment = deployment  # "<app>#<name>"
         self._first_call: asyncio.Future | None = None
+        self._router: LinkRouter | None = None
 
-    def router(self) -> inflight.LinkRouter | None:
-        return inflight.find(self._deployment)
+    def attach(self, deployment: str, router: LinkRouter) -> None:
+        """Called by the engine deployment's router once it runs in this process (from its own thread)."""
+        if deployment == self._deployment:
+            self._router = router
+
+    def router(self) -> LinkRouter | None:
+        return self._router
 
     async def model_info(self) -> dict:
         return await self._handle.model_info.remote()
@@ -95,7 +114,13 @@ class RouterIngress(SlotServeGrpcMixin):
         client = LinkEngineClient(serve_side, link_token, serve_side.choose, tls=link_tls,
                                   on_done=serve_side.request_finished)
         self.frontend = Frontend(frontend_config, tokenizer, client)
+        self._serve_side = serve_side
         self._max_body_bytes = max_body_bytes
+
+    def attach_link_router(self, deployment: str, router: LinkRouter) -> None:
+        """The slot-aware router Serve made in this process for ``deployment`` ("<app>#<name>") hands
+        itself over (router.request_router): requests are then routed here, over engine links."""
+        self._serve_side.attach(deployment, router)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self._max_body_bytes)

@@ -3,7 +3,7 @@
 A Serve call per request and a Serve streaming message per engine step would cost a few
 milliseconds of time to first token and most of a millisecond of CPU per message on both
 sides (docs/BENCHMARKS.md). Instead the ingress picks the replica with the slot-aware router
-(found through ``router.inflight``: the router Serve keeps up to date in its process), then
+(the router Serve keeps up to date in its process, which attaches itself to the ingress), then
 writes the request on its connection to that replica, which answers on the same connection
 with one frame per engine step carrying every request of that ingress that made progress.
 Serve still builds, scales, health-checks and drains the replicas, carries what is not per

@@ -4,6 +4,10 @@ Serve builds one router per process that holds a handle to the engine deployment
 (the proxy, every ingress replica) and calls ``choose_replicas`` for each request.
 The ranking itself is ``router.policy.rank_replicas``; this module only turns Serve's
 objects into ``ReplicaLoad``s and back. Attach it with ``request_router_config()``.
+
+In an ingress replica the router also hands itself to the ingress (``attach_link_router``,
+deployments.ingress), which routes engine-link requests with it: the same loads and counts,
+without a Serve call per request.
 """
 
 from __future__ import annotations
@@ -15,12 +19,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ray.serve import metrics
+from ray.serve import get_replica_context, metrics
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.kv.hashing import ROOT_HASH, prefix_routing_keys
-from router import inflight
 from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ROUTING_REASONS, Ranking, ReplicaLoad, RouterSettings,
                            rank_replicas)
 
@@ -111,6 +115,7 @@ class SlotAwareRequestRouter(RequestRouter):
         self._decisions: metrics.Counter | None = None  # made once the settings are known (initialize_state)
         self._live: list[RunningReplica] = []
         self._lock = threading.Lock()
+        self._attach_done = False
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Receives ``request_router_kwargs``: the ``RouterSettings`` fields."""
@@ -134,6 +139,7 @@ class SlotAwareRequestRouter(RequestRouter):
             context.should_backoff = True
         if not candidate_replicas:
             return []
+        self._attach_to_ingress()
         target = pinned_replica(pending_request)
         if target is not None:
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
@@ -255,8 +261,26 @@ class SlotAwareRequestRouter(RequestRouter):
             for table in (self._parsed, self._sent):
                 for rid in [rid for rid in table if rid not in live]:
                     del table[rid]
-        deployment = self._deployment_id
-        inflight.offer(f"{deployment.app_name}#{deployment.name}", self)
+        self._attach_to_ingress()
+
+    def _attach_to_ingress(self) -> None:
+        """Hand this router to the ingress replica it runs in, once. Tried on every replica update
+        and routed call: the ingress object exists only once its constructor has returned, and a
+        router in a process that serves no ingress (a driver, a proxy) has nothing to attach to."""
+        if self._attach_done:
+            return
+        try:
+            host = get_replica_context().servable_object  # None while the replica's constructor runs
+        except RayServeException:  # not in a replica: never anything to attach to
+            self._attach_done = True
+            return
+        if host is None:
+            return
+        attach = getattr(host, "attach_link_router", None)
+        if attach is not None:
+            deployment = self._deployment_id
+            attach(f"{deployment.app_name}#{deployment.name}", self)
+        self._attach_done = True
 
     def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats

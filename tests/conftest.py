@@ -22,7 +22,7 @@ def default_model_dir(tmp_path_factory):
     """The built-in default model converted to an HF directory, once per test session.
 
     Converts into $SLOTSERVE_CACHE when set (so repeated runs reuse it), else into a
-    temporary directory (~30 s on a 2-core machine).
+    temporary directory (~15 s on a 2-core machine).
     """
     from engine.models_hub import DEFAULT_MODEL, resolve_model
 

@@ -12,7 +12,6 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
     from types import SimpleNamespace
 
     from deployments.ingress import HandleEngineClient
-    from router import inflight
 
     class Handle:  # a deployment handle whose calls wait: no replica is up yet
         def __init__(self) -> None:
@@ -24,7 +23,6 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
             await asyncio.Event().wait()
 
     async def main():
-        inflight._routers.pop("app#engine", None)
         handle = Handle()
         client = HandleEngineClient(handle, "app#engine")
         assert await asyncio.wait_for(client.replica_loads(), 1) == []
@@ -33,10 +31,11 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
         assert handle.calls == 1  # one call under way starts the router, not one per ask
         router = _router()
         router._live = [SimpleNamespace(replica_id=SimpleNamespace(unique_id="r0"), routing_stats=_stats(3))]
-        inflight.offer("app#engine", router)
+        client.attach("app#other", router)  # another deployment's router: not this client's
+        assert await client.replica_loads() == []
+        client.attach("app#engine", router)
         (load,) = await client.replica_loads()
         assert (load["replica_id"], load["running"], load["healthy"]) == ("r0", 3, True)
         assert client.choose({"request_id": "q", "prompt_token_ids": PROMPT}, frozenset()) is None  # no link
-        inflight._routers.pop("app#engine", None)
 
     asyncio.run(main())

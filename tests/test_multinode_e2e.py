@@ -110,8 +110,8 @@ def _engine_nodes() -> dict[str, str]:
     return _replica_nodes("EngineReplica")
 
 
-def _ingress_stubs(first_port: int) -> list:
-    """Stubs straight to each ingress replica's own gRPC server (HAProxy mode), the ingress node's first."""
+def _ingress_stubs(first_port: int, count: int = 2) -> list:
+    """Stubs straight to the ingress replicas' own gRPC servers (HAProxy mode), the ingress node's first."""
     stubs = []
     for port in range(first_port, first_port + 16):
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -121,13 +121,15 @@ def _ingress_stubs(first_port: int) -> list:
             channel.close()
             continue
         stubs.append(slotserve_pb2_grpc.SlotServeStub(channel))
+        if len(stubs) == count:
+            break
     return stubs
 
 
 def test_an_abort_reaches_a_stream_the_other_ingress_holds(nodes):
     from deployments.ingress_env import INGRESS_REPLICA_PORTS
 
-    holder, other = _ingress_stubs(INGRESS_REPLICA_PORTS["GRPC"][0])[:2]
+    holder, other = _ingress_stubs(INGRESS_REPLICA_PORTS["GRPC"][0])
     stream = holder.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=_prompt(0)), sampling=pb.SamplingOptions(
         temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=120)
     first = next(stream)

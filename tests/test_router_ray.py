@@ -195,11 +195,10 @@ def test_calls_without_a_prompt_take_no_slot():
 
 
 def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
-    """deployments.link: the ingress finds this process's router (router.inflight) and asks it directly."""
+    """deployments.link: the router hands itself to the ingress replica it runs in, which asks it directly."""
     import asyncio
     from types import SimpleNamespace
-
-    from router import inflight
+    from unittest import mock
 
     router = _router()
     stale = time.time() - 0.1
@@ -214,15 +213,24 @@ def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
     replicas = [replica("cached", _stats(8, prefix_routing_keys(PROMPT, BS), stale), {"link": "10.0.0.1:4000"}),
                 replica("idle", _stats(0, updated_at=stale), {"link": "10.0.0.2:4000"}),
                 replica("no-link", _stats(0, updated_at=stale), {})]  # not serving links (yet)
-    inflight._routers.pop("app#engine", None)
-    assert inflight.find("app#engine") is None  # no router until Serve updates its replicas
+    attached = {}
+    ingress = SimpleNamespace(attach_link_router=lambda deployment, r: attached.update({deployment: r}))
+    context = SimpleNamespace(servable_object=None)  # Serve's replica context while the constructor runs
 
-    async def update():  # as Serve does, on its router loop (which also starts probing them)
-        router.update_replicas(replicas)
+    async def updates():  # as Serve does, on its router loop (which also starts probing them)
+        router.update_replicas(replicas)  # in no replica (a driver): nothing to attach to, and no error
+        router._attach_done = False
+        # Patched where the method looks it up: Serve ships the class by value, with its own copy of
+        # its module's globals (and test_request_router_config_points_at_the_class unpickled it here).
+        with mock.patch.dict(type(router)._attach_to_ingress.__globals__, get_replica_context=lambda: context):
+            router.update_replicas(replicas)
+            assert attached == {}  # no ingress object yet: tried again on the next update or routed call
+            context.servable_object = ingress
+            router.update_replicas(replicas)
 
-    asyncio.run(update())
-    found = inflight.find("app#engine")
-    assert found is router
+    asyncio.run(updates())
+    assert attached == {"app#engine": router}
+    found = attached["app#engine"]
     request = {"request_id": "l0", "prompt_token_ids": PROMPT}
     assert found.choose_for_link(request) == ("cached", "10.0.0.1:4000")
     assert request["routing"]["reason"] == "prefix"  # noted for the replica's trace, as Serve's calls are
