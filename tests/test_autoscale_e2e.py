@@ -36,11 +36,11 @@ KNOBS = {"min_replicas": 1, "max_replicas": 2, "target_occupancy": 0.75, "upscal
 MAX_TOKENS = 200
 TRICKLE_CLIENTS = 4
 STEP_CLIENTS = 14   # on one replica of 8 slots: full, 6 waiting -> scale up
-# After the step, streams long enough to outlive the scale-down (12k decode steps: 20 s or
-# more here, against the ~7 s from the load drop to the stop). One runs on each replica
+# After the step, streams long enough to outlive the scale-down (8k decode steps: 14 s or more
+# here, 35 s on a busy host, against 5-7 s from the load drop to the stop). One runs on each replica
 # before the count drops, so whichever replica Serve stops is streaming when it does; a
 # few on 2 x 8 slots is one replica's worth, so the count goes back to 1.
-LONG_TOKENS = 12_000
+LONG_TOKENS = 8_000
 MAX_LONG_CLIENTS = 6
 # Bounds for a loaded 2-core machine, where most of a scale-up is the new replica's
 # process start and imports competing with the streams for CPU (5-10 s idle, 30 s seen
