@@ -60,6 +60,13 @@ async def _linked(n: int = 1):
     chooser = RoundRobin(reps)
     return reps, chooser, LinkEngineClient(LocalEngineClient(reps), token, chooser)
 
+async def _running(client, n: int) -> list:
+    """``n`` long streams on ``client``, each past its first message."""
+    streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(n)]
+    for s in streams:
+        await s.__anext__()
+    return streams
+
 
 async def _tokens(stream) -> tuple[list[int], list[dict]]:
     messages = [m async for m in stream]
@@ -149,9 +156,7 @@ def test_an_abort_by_request_id_reaches_a_stream_another_ingress_holds():
 def test_a_lost_link_raises_in_its_streams_and_aborts_their_requests():
     async def main():
         reps, _, client = await _linked(1)
-        streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(3)]
-        for s in streams:
-            await s.__anext__()
+        streams = await _running(client, 3)
         await wait_load(reps[0], 3)
         client._links[reps[0].replica_id].writer.transport.abort()  # the connection drops
         for s in streams:

@@ -17,7 +17,7 @@ from deployments.link import Connection, LinkServer, new_token
 from deployments.link_client import LinkEngineClient
 from deployments.link_wire import HEADER, Abort, Output, Submit, as_item, frame, outputs, read_outputs
 from tests.serving_helpers import run, wait_idle, wait_load
-from tests.test_link import LONG, _linked, _replicas, _request, _shutdown, _tokens
+from tests.test_link import LONG, _linked, _replicas, _request, _running, _shutdown, _tokens
 
 
 def _message(token_ids: list[int], finish_reason: str | None = None) -> dict:
@@ -125,9 +125,7 @@ def test_a_newer_link_of_the_same_ingress_ends_the_stale_one_and_its_requests():
 def test_a_keepalive_timeout_on_a_link_fails_its_streams_as_unavailable():
     async def main():
         reps, _, client = await _linked(1)
-        streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(2)]
-        for s in streams:
-            await s.__anext__()
+        streams = await _running(client, 2)
         # What the kernel reports when keepalive probes or TCP_USER_TIMEOUT expire.
         client._links[reps[0].replica_id].reader.set_exception(TimeoutError(110, "Connection timed out"))
         for s in streams:

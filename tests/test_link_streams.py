@@ -19,7 +19,7 @@ from deployments.link_wire import outputs, wire_id
 from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
 from tests.serving_helpers import run, wait_idle, wait_load
-from tests.test_link import LONG, _linked, _replicas, _request, _shutdown, _tokens
+from tests.test_link import LONG, _linked, _replicas, _request, _running, _shutdown, _tokens
 
 
 def test_many_streams_share_one_link_and_get_their_own_tokens(monkeypatch):
@@ -74,9 +74,7 @@ def test_an_abort_before_the_replica_is_known_ends_the_stream_and_nothing_runs()
 def test_a_dead_engine_raises_in_every_stream_it_served():
     async def main():
         reps, _, client = await _linked(1)
-        streams = [client.generate(_request(i, max_tokens=LONG)) for i in range(3)]
-        for s in streams:
-            await s.__anext__()
+        streams = await _running(client, 3)
         await wait_load(reps[0], 3)
         reps[0].engine.kill("boom")
         for s in streams:

@@ -220,8 +220,7 @@ def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
     async def updates():  # as Serve does, on its router loop (which also starts probing them)
         router.update_replicas(replicas)  # in no replica (a driver): nothing to attach to, and no error
         router._attach_done = False
-        # Patched where the method looks it up: Serve ships the class by value, with its own copy of
-        # its module's globals (and test_request_router_config_points_at_the_class unpickled it here).
+        # Where the method looks it up: Serve ships the class by value, with a copy of its module's globals.
         with mock.patch.dict(type(router)._attach_to_ingress.__globals__, get_replica_context=lambda: context):
             router.update_replicas(replicas)
             assert attached == {}  # no ingress object yet: tried again on the next update or routed call
