@@ -22,7 +22,7 @@ from deployments.admission import Admission, ApiKeys
 from deployments.engine_client import EngineClient, EngineStream
 from deployments.errors import (BadRequest, DeadlineExceeded, Overloaded, Unauthenticated,
                                 ServingError, Unavailable, to_serving_error, unwrap)
-from deployments.metrics import IngressMetrics
+from deployments.metrics import IngressMetrics, recorder_for
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
                                   check_logit_bias, check_messages_length, check_text, check_vocab, effective_timeout,
                                   new_request_id, parse_messages)
@@ -91,7 +91,7 @@ class Frontend:
         self._keys = ApiKeys(config.api_keys, config.api_keys_file)
         self._admission = Admission(engine.replica_loads if engine is not None else None, config.ingress_replicas)
         self.adapters = Adapters(config.lora_adapters, config.lora_load_dir, engine)
-        self.metrics = IngressMetrics.for_model(config.served_model_name)  # rejections, counted by the protocols
+        self.metrics = IngressMetrics(recorder_for(config.served_model_name))  # rejections, counted by the protocols
         self.tracing = tracing if tracing is not None else Tracing.from_env()  # spans, started by the protocols
 
     # -- checks every protocol shares ------------------------------------------------

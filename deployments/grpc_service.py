@@ -152,15 +152,11 @@ def _messages(messages: pb.Messages) -> list[dict]:
 def with_tool_calls(out: pb.GenerateResponse, delta: TextDelta, stream: ToolStream) -> pb.GenerateResponse:
     """A response whose text went through ``stream``: held from where a call may begin, the calls
     parsed out on the last message."""
-    out.text = stream.push(delta.text)
-    if delta.finish_reason is not None:
-        parsed = stream.finish()
-        out.text += parsed.content or ""
-        for call in parsed.calls:
-            out.tool_calls.add(id=call["id"], name=call["function"]["name"],
-                               arguments_json=call["function"]["arguments"])
-        if parsed.calls and delta.finish_reason == "stop":
-            out.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+    out.text, calls, finish = stream.step(delta.text, delta.finish_reason)
+    for call in calls:
+        out.tool_calls.add(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])
+    if finish == "tool_calls":
+        out.finish_reason = pb.FINISH_REASON_TOOL_CALLS
     return out
 
 
@@ -208,7 +204,7 @@ class SlotServeGrpcMixin:
             tools = proto_tools(msg, self.frontend.config.tool_call_parser)
             prepared = await self.frontend.prepare(generate_input(msg, tools), span.engine_trace_context(client))
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
-            calls = [ToolStream(tools.parser, tools.single) for _ in range(prepared.params.n)] if tools.parser else None
+            calls = tools.streams(prepared.params.n)
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:
                 async for delta in deltas:
                     last = delta

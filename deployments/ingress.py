@@ -57,9 +57,6 @@ class HandleEngineClient:
         if deployment == self._deployment:
             self._router = router
 
-    def router(self) -> LinkRouter | None:
-        return self._router
-
     async def model_info(self) -> dict:
         return await self._handle.model_info.remote()
 
@@ -67,7 +64,7 @@ class HandleEngineClient:
         """Every replica's routing stats, as this process's router last polled them; none before
         Serve has made that router, which a handle's first call does (started here, not awaited:
         it waits for a replica, and a health check asking for loads must not)."""
-        router = self.router()
+        router = self._router
         if router is None:
             if self._first_call is None or self._first_call.done():
                 self._first_call = asyncio.ensure_future(self.model_info())
@@ -92,11 +89,11 @@ class HandleEngineClient:
         return await self._handle.link_address.remote(request)
 
     def choose(self, request: dict, avoid: frozenset) -> tuple[str, str] | None:
-        router = self.router()
+        router = self._router
         return router.choose_for_link(request, avoid) if router is not None else None
 
     def request_finished(self, request_id: str) -> None:
-        router = self.router()
+        router = self._router
         if router is not None:
             router.request_finished(request_id)
 

@@ -326,10 +326,6 @@ class IngressMetrics:
         for reason in REJECTION_REASONS:
             recorder.start_at_zero("requests_rejected", {"reason": reason})
 
-    @classmethod
-    def for_model(cls, model_name: str) -> "IngressMetrics":
-        return cls(recorder_for(model_name))
-
     def rejected(self, exc: BaseException) -> None:
         """Count a generation request that ends in ``exc``, by its ServingError's ``metric_reason``
         (overloaded, invalid, unauthenticated, deadline, unavailable, internal; None: not counted)."""

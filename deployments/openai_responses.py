@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from deployments.textstream import TextDelta, TokenLogprob, Usage
-from deployments.tools import ToolCalls, ToolStream, ToolUse, parse_tool_calls
+from deployments.tools import ToolCalls, ToolUse, parse_tool_calls, tool_calls_reason
 
 
 def usage_json(usage: Usage | None) -> dict | None:
@@ -55,7 +55,7 @@ class ResponseBuilder:
         self.n = n
         self._text_offsets = [0] * n
         self._tool_use = tools
-        self._tools = [ToolStream(tools.parser, tools.single) for _ in range(n)] if tools.parser else None
+        self._tools = tools.streams(n)
         self._echo = echo
         self._echoed: set[int] = set()
         self._prompt_logprobs: tuple = ()
@@ -90,7 +90,7 @@ class ResponseBuilder:
         if parsed.calls:
             message["tool_calls"] = parsed.calls
         return {"index": index, "message": message, "logprobs": chat_logprobs(logprobs),
-                "finish_reason": _finish(last.finish_reason, parsed)}
+                "finish_reason": tool_calls_reason(last.finish_reason, parsed)}
 
     def first_chunks(self) -> list[dict]:
         """Chat streams open with the assistant's role, a chunk per choice; completions have none."""
@@ -103,12 +103,9 @@ class ResponseBuilder:
     def chunk(self, delta: TextDelta, include_usage: bool) -> dict:
         i = delta.index
         if self.chat:
-            text, finish, calls = delta.text, delta.finish_reason, []
+            text, calls, finish = delta.text, [], delta.finish_reason
             if self._tools is not None:
-                text = self._tools[i].push(delta.text)
-                if finish is not None:
-                    parsed = self._tools[i].finish()
-                    text, calls, finish = text + (parsed.content or ""), parsed.calls, _finish(finish, parsed)
+                text, calls, finish = self._tools[i].step(delta.text, finish)
             body = {"content": text} if text or not finish else {}
             if calls:  # each call whole, in one delta (OpenAI clients accept a call in one piece or many)
                 body["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
@@ -132,11 +129,6 @@ class ResponseBuilder:
 
     def usage_chunk(self, usage: Usage | None) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage, True)
-
-
-def _finish(reason: str | None, parsed: ToolCalls) -> str | None:
-    """OpenAI's ``tool_calls`` when a reply that ended on its own holds calls."""
-    return "tool_calls" if parsed.calls and reason == "stop" else reason
 
 
 def _list(logprobs) -> list | None:

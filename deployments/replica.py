@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import itertools
 import logging
 import time
@@ -43,21 +42,10 @@ logger = logging.getLogger(__name__)
 serve_log = logging.getLogger("ray.serve")
 """The replica's Serve log: the drain's steps stand beside Serve's own ("Drained ongoing requests")."""
 
-DEFAULT_ENGINE_CLASS = "engine.async_engine:AsyncEngine"
 PREFIX_DIGEST_ENTRIES = 4096
 ABORT_GRACE_S = 2.0  # after the drain timeout: time for aborted streams to end before the engine stops
 METRICS_PERIOD_S = 1.0  # gauges from the stats snapshot; Ray exports every metrics_report_interval_ms
 _local_ids = itertools.count()
-
-
-def import_engine_class(spec: str | type) -> type:
-    """``"package.module:Class"`` (or the class itself) -> the class."""
-    if isinstance(spec, type):
-        return spec
-    module, sep, name = str(spec).partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"engine_class must look like 'package.module:Class', got {spec!r}")
-    return getattr(importlib.import_module(module), name)
 
 
 def stream_message(out: StreamOutput) -> dict:
@@ -84,11 +72,12 @@ def _replica_id() -> str:
 
 class EngineReplica:
     def __init__(self, model: str, engine_options: dict[str, Any] | None = None,
-                 engine_class: str | type = DEFAULT_ENGINE_CLASS, drain_timeout_s: float = 30.0,
+                 engine_class: type | None = None, drain_timeout_s: float = 30.0,
                  model_name: str | None = None, metrics: Recorder | None = None,
                  tracing: Tracing | None = None, link_token: str | None = None,
                  link_host: str = "127.0.0.1", link_tls: LinkTls | None = None) -> None:
-        """``model_name``: the served name, the metrics' ``model_name`` label (default ``model``);
+        """``engine_class``: the engine's class (default ``engine.async_engine.AsyncEngine``; tests
+        pass a fake); ``model_name``: the served name, the metrics' ``model_name`` label (default ``model``);
         ``metrics``: where they go (default: Ray's metrics in a Ray worker, else nowhere);
         ``tracing``: where spans go (default: as the ``OTEL_*`` environment variables say);
         ``link_token``: serve engine links (deployments.link) on ``link_host``, with this token
@@ -100,7 +89,9 @@ class EngineReplica:
         if options.get("tensor_parallel_size", 1) > 1:  # rank workers in this replica's placement group
             from deployments.tp_launcher import RayRankLauncher
             options["launcher"] = RayRankLauncher()
-        self._engine = import_engine_class(engine_class).from_options(model, **options)
+        if engine_class is None:
+            from engine.async_engine import AsyncEngine as engine_class
+        self._engine = engine_class.from_options(model, **options)
         self._drain_timeout_s = float(drain_timeout_s)
         self._accepting = True
         self._active: set[str] = set()

@@ -79,9 +79,7 @@ class TextAssembler:
         self._num_prompt_top = params.prompt_logprobs or 0
         self._text = TextStream.for_params(tokenizer, params)
         self._prompt_token_ids = prompt_token_ids
-        self._num_prompt_tokens = len(prompt_token_ids)
-        self._num_output_tokens = 0
-        self._num_cached_tokens = 0
+        self.num_cached_tokens = 0
         self.finished = False
 
     def push(self, message: dict) -> TextDelta:
@@ -93,9 +91,8 @@ class TextAssembler:
             text += self._text.finish()
         if self._text.stopped:
             finish = "stop"
-        self._num_output_tokens += len(ids)
         self.token_ids.extend(ids)
-        self._num_cached_tokens = message.get("num_cached_tokens", self._num_cached_tokens)
+        self.num_cached_tokens = message.get("num_cached_tokens", self.num_cached_tokens)
         logprobs = None
         if self._want_logprobs:
             logprobs = tuple(self._logprob(t, lp) for t, lp in zip(ids, message.get("logprobs") or []))
@@ -116,11 +113,7 @@ class TextAssembler:
 
     @property
     def num_output_tokens(self) -> int:
-        return self._num_output_tokens
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self._num_cached_tokens
+        return len(self.token_ids)
 
     def _prompt_logprobs(self, scored: list) -> tuple[TokenLogprob, ...]:
         ids = self._prompt_token_ids

@@ -107,6 +107,10 @@ class ToolUse:
     single: bool = False
     """``parallel_tool_calls: false``: only a reply's first call is kept."""
 
+    def streams(self, n: int) -> "list[ToolStream] | None":
+        """A ``ToolStream`` for each of a streamed reply's ``n`` choices; None when nothing is read."""
+        return [ToolStream(self.parser, self.single) for _ in range(n)] if self.parser else None
+
 
 def tool_use(tools: tuple[ToolDef, ...] | None, choice: ToolChoice | None, parallel: bool | None,
              parser: str, constrained: bool) -> ToolUse:
@@ -223,6 +227,20 @@ class ToolStream:
         if self._held is None:
             return ToolCalls(self._pending or None)
         return parse_tool_calls("".join(self._held), self.parser, self.single)
+
+    def step(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """One streamed delta: the text to send now and, on the last one, the calls parsed out and
+        the finish reason (``tool_calls_reason``)."""
+        out = self.push(text)
+        if finish_reason is None:
+            return out, [], None
+        parsed = self.finish()
+        return out + (parsed.content or ""), parsed.calls, tool_calls_reason(finish_reason, parsed)
+
+
+def tool_calls_reason(reason: str | None, parsed: ToolCalls) -> str | None:
+    """OpenAI's ``tool_calls`` when a reply that ended on its own holds calls."""
+    return "tool_calls" if parsed.calls and reason == "stop" else reason
 
 
 def _partial_suffix(text: str, marker: str) -> int:
