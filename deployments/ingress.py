@@ -3,10 +3,10 @@
 One class serves both protocols: Serve's gRPC proxy calls the RPC-named methods
 (``grpc_service.SlotServeGrpcMixin``), its HTTP proxy the FastAPI app built at replica
 start (``__serve_build_asgi_app__``). Requests reach engine replicas over engine links
-(deployments.link), to the replica the slot-aware router Serve runs in this process picks
-(it attaches itself here: ``attach_link_router``), which also gives the replicas' loads; a DeploymentHandle of the EngineReplica deployment
-carries the rest (model info, LoRA loads, and which replica takes an ingress's first requests,
-before its router has heard from any).
+(deployments.link), to the replica the slot-aware router Serve runs in this process picks (it
+attaches itself here: ``attach_link_router``), which also gives the replicas' loads; a
+DeploymentHandle of the EngineReplica deployment carries the rest (model info, LoRA loads, and
+which replica takes an ingress's first requests, before its router has heard from any).
 """
 
 from __future__ import annotations
