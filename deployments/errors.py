@@ -15,8 +15,8 @@ import asyncio
 import ray.exceptions as ray_exceptions
 import ray.serve.exceptions as ray_serve_exceptions
 
-from engine.errors import (AdapterInUseError, AdapterLoadError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
-                           UnknownAdapterError)
+from engine.errors import (AdapterInUseError, AdapterLoadError, EngineDeadError, EngineOverloadedError,
+                           InvalidRequestError, UnknownAdapterError)
 
 
 class ServingError(Exception):

@@ -35,6 +35,7 @@ def fit_cpu_engines(args: Mapping[str, Any], cores: int) -> tuple[dict[str, Any]
             knobs["initial_replicas"] = min(cfg.autoscaling.initial_replicas, replicas)
     else:
         fitted["num_replicas"] = replicas
-    why = f" ({'max_replicas' if cfg.autoscaling else 'num_replicas'} {wanted} -> {replicas})" if replicas < wanted else ""
+    knob = "max_replicas" if cfg.autoscaling else "num_replicas"
+    why = f" ({knob} {wanted} -> {replicas})" if replicas < wanted else ""
     return fitted, (f"CPU engine replicas: up to {replicas} x {threads} torch threads on {cores} cores{why}; "
                     "set engine.num_threads to choose yourself")

@@ -25,8 +25,8 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.kv.hashing import ROOT_HASH, prefix_routing_keys
-from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ROUTING_REASONS, Ranking, ReplicaLoad, RouterSettings,
-                           rank_replicas)
+from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ROUTING_REASONS, Ranking, ReplicaLoad,
+                           RouterSettings, rank_replicas)
 
 logger = logging.getLogger("ray.serve")
 
