@@ -126,6 +126,20 @@ def _ingress_stubs(first_port: int, count: int = 2) -> list:
     return stubs
 
 
+def _every_ingress_routes_to_both_engines() -> bool:
+    """Both ingress replicas' routers hold both engine replicas, with fresh stats: a burst started now
+    spreads over the two (a replica Serve still starts, or one a router has not heard of, takes none)."""
+    from deployments.ingress_env import INGRESS_REPLICA_PORTS
+
+    first = INGRESS_REPLICA_PORTS["GRPC"][0]  # the ingress node's replica; the head's has the next (nodes)
+    for port in (first, first + 1):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            load = slotserve_pb2_grpc.SlotServeStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
+        if sum(r.healthy for r in load.replicas) != 2:
+            return False
+    return True
+
+
 def test_an_abort_reaches_a_stream_the_other_ingress_holds(nodes):
     from deployments.ingress_env import INGRESS_REPLICA_PORTS
 
@@ -152,6 +166,7 @@ def test_a_lost_engine_node_loses_no_stream_and_its_replica_returns_on_another(n
     spare = next(w.node_id for w in workers if w.node_id not in before.values())
     wait_until(lambda: spare in _engine_nodes().values() and len(_engine_nodes()) == 2,
                "the lost replica started again on the spare node", 120, poll_s=0.5)
+    wait_until(_every_ingress_routes_to_both_engines, "both ingresses routing to the new replica", 120, poll_s=0.5)
     out = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=_prompt(0)), sampling=pb.SamplingOptions(
         temperature=0, max_tokens=8, ignore_eos=True)), timeout=60))
     assert [t for m in out for t in m.token_ids] == want[0][:8]
@@ -168,6 +183,7 @@ def test_a_lost_ingress_node_ends_its_streams_at_once_and_the_other_ingress_serv
     want = offline_tokens(tiny_model_dir)
     ingresses = _replica_nodes("Router")
     assert len(ingresses) == 2 and ingress_node.node_id in ingresses.values()
+    wait_until(_every_ingress_routes_to_both_engines, "both ingresses routing to both engines", 120, poll_s=0.5)
     streams = streams_under_way(stub)
     cluster.remove_node(ingress_node, allow_graceful=False)
     lost_at = time.monotonic()
