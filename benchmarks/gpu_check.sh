@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything a short GPU lease should check, in one command from the repository root:
 # the `gpu` tests (kernels compiled, CUDA graphs, memory budget, HF oracle on CUDA, LoRA against
-# HF + PEFT), the kernels of a decode step (benchmarks.kernels), the GPU benchmark (random weights
-# of Llama-3.2-1B's shape, bf16; BENCH_ARGS adds options) and LoRA's cost per token on that shape
-# (benchmarks.lora). Logs and results go to $OUT. A step whose *_S limit is 0 is skipped.
+# HF + PEFT), the kernels of a decode step (benchmarks.kernels), a served-size engine's plan
+# (benchmarks.gpu_plan), the GPU benchmark (random weights of Llama-3.2-1B's shape, bf16;
+# BENCH_ARGS adds options) and LoRA's cost per token on that shape (benchmarks.lora). Logs and results go to $OUT. A step whose *_S limit is 0 is skipped.
 #
 # Wheels of packages the machine lacks (pydantic and its parts) may sit in .whl/.
 # Ray is not needed: engine/ never imports it (tests/test_nvml.py does, so it is left out).
@@ -44,6 +44,10 @@ echo "pytest exit: $?" | tee -a "$OUT/pytest.log"
 if [ "${KERNELS_S:-120}" != 0 ]; then
     timeout "${KERNELS_S:-120}" python3 -m benchmarks.kernels --device cuda --model-shape llama-1b --levels 1,32 \
         2>&1 | tee "$OUT/kernels.log"
+fi
+
+if [ "${PLAN_S:-120}" != 0 ]; then  # a served-size engine: kernel, gather buffer, graphs, KV pool
+    timeout "${PLAN_S:-120}" python3 -m benchmarks.gpu_plan 2>&1 | tee "$OUT/plan.log"
 fi
 
 bench=/tmp/gpu-bench
