@@ -3,7 +3,8 @@
 # the `gpu` tests (kernels compiled, CUDA graphs, memory budget, HF oracle on CUDA, LoRA against
 # HF + PEFT), the kernels of a decode step (benchmarks.kernels), a served-size engine's plan
 # (benchmarks.gpu_plan), the GPU benchmark (random weights of Llama-3.2-1B's shape, bf16;
-# BENCH_ARGS adds options) and LoRA's cost per token on that shape (benchmarks.lora). Logs and results go to $OUT. A step whose *_S limit is 0 is skipped.
+# BENCH_ARGS adds options) and LoRA's cost per token on that shape (benchmarks.lora). Logs and
+# results go to $OUT. A step whose *_S limit is 0 is skipped.
 #
 # Wheels of packages the machine lacks (pydantic and its parts) may sit in .whl/.
 # Ray is not needed: engine/ never imports it (tests/test_nvml.py does, so it is left out).
