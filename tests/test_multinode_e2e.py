@@ -110,29 +110,19 @@ def _engine_nodes() -> dict[str, str]:
     return _replica_nodes("EngineReplica")
 
 
-def _ingress_stubs(first_port: int, count: int = 2) -> list:
-    """Stubs straight to the ingress replicas' own gRPC servers (HAProxy mode), the ingress node's first."""
-    stubs = []
-    for port in range(first_port, first_port + 16):
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            grpc.channel_ready_future(channel).result(timeout=2)
-        except grpc.FutureTimeoutError:
-            channel.close()
-            continue
-        stubs.append(slotserve_pb2_grpc.SlotServeStub(channel))
-        if len(stubs) == count:
-            break
-    return stubs
+def _ingress_ports() -> tuple[int, int]:
+    """The ingress replicas' own gRPC ports (HAProxy mode): the ingress node's replica took the first
+    port, the head's the next (it started while the first was taken: see ``nodes``)."""
+    from deployments.ingress_env import INGRESS_REPLICA_PORTS
+
+    first = INGRESS_REPLICA_PORTS["GRPC"][0]
+    return first, first + 1
 
 
 def _every_ingress_routes_to_both_engines() -> bool:
     """Both ingress replicas' routers hold both engine replicas, with fresh stats: a burst started now
     spreads over the two (a replica Serve still starts, or one a router has not heard of, takes none)."""
-    from deployments.ingress_env import INGRESS_REPLICA_PORTS
-
-    first = INGRESS_REPLICA_PORTS["GRPC"][0]  # the ingress node's replica; the head's has the next (nodes)
-    for port in (first, first + 1):
+    for port in _ingress_ports():
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             load = slotserve_pb2_grpc.SlotServeStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
         if sum(r.healthy for r in load.replicas) != 2:
@@ -141,9 +131,8 @@ def _every_ingress_routes_to_both_engines() -> bool:
 
 
 def test_an_abort_reaches_a_stream_the_other_ingress_holds(nodes):
-    from deployments.ingress_env import INGRESS_REPLICA_PORTS
-
-    holder, other = _ingress_stubs(INGRESS_REPLICA_PORTS["GRPC"][0])
+    holder, other = (slotserve_pb2_grpc.SlotServeStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+                     for port in _ingress_ports())
     stream = holder.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=_prompt(0)), sampling=pb.SamplingOptions(
         temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=120)
     first = next(stream)
