@@ -17,12 +17,13 @@ THREADS=${THREADS:-$(nproc)}
 SYSTEMS=${SYSTEMS:-vllm slotserve}  # one of them alone: SYSTEMS=slotserve
 mkdir -p "$OUT"
 
-wait_ready() {  # base url, served model name, seconds
+wait_ready() {  # base url, served model name, seconds, server pid
   # A one-token completion, not /v1/models: an ingress can list models while its engine still
   # loads or compiles, and startup is counted to the first token either server can give.
   local body="{\"model\": \"$2\", \"prompt\": \"Hello\", \"max_tokens\": 1}"
   for _ in $(seq "$3"); do
     curl -sf -m 600 "$1/v1/completions" -H 'content-type: application/json' -d "$body" >/dev/null && return 0
+    kill -0 "$4" 2>/dev/null || { echo "the server exited before it answered; see $OUT" >&2; return 1; }
     sleep 1
   done
   echo "no completion from $1 within $3 s" >&2; return 1
@@ -42,7 +43,7 @@ start=$(date +%s)
 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
   "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --port 8100 "$@" >"$OUT/vllm.log" 2>&1 &
 pid=$!
-wait_ready http://127.0.0.1:8100 "$MODEL_DIR" 900
+wait_ready http://127.0.0.1:8100 "$MODEL_DIR" 900 $pid
 echo "vllm serve gave its first token $(( $(date +%s) - start )) s after its start" | tee "$OUT/vllm-ready.txt"
 bench vllm http://127.0.0.1:8100 "$MODEL_DIR"
 stop $pid
@@ -52,7 +53,7 @@ run_slotserve() {
 start=$(date +%s)
 slotserve serve >"$OUT/slotserve.log" 2>&1 &
 pid=$!
-wait_ready http://127.0.0.1:8000 smollm2-135m 900
+wait_ready http://127.0.0.1:8000 smollm2-135m 900 $pid
 echo "slotserve serve gave its first token $(( $(date +%s) - start )) s after its start" | tee "$OUT/slotserve-ready.txt"
 bench slotserve http://127.0.0.1:8000 smollm2-135m
 stop $pid
