@@ -242,10 +242,10 @@ class ModelRunner:
         if timings is not None:
             if self.send_step is not None:
                 timings["tp_broadcast"] = timings.get("tp_broadcast", 0.0) + (tb - t0)
-            # The sampling batch is time outside the forward only where the forward has already ended.
-            hidden = tlb - tl if self.device.type == "cuda" else 0.0
-            timings["prepare"] = timings.get("prepare", 0.0) + (t1 - tb) + (tlb - tl) - hidden
-            timings["forward"] = timings.get("forward", 0.0) + (t2 - t1) - (tlb - tl) + hidden
+            # The sampling batch is host time outside the forward only where the forward had ended (CPU).
+            build = 0.0 if self.device.type == "cuda" else tlb - tl
+            timings["prepare"] = timings.get("prepare", 0.0) + (t1 - tb) + build
+            timings["forward"] = timings.get("forward", 0.0) + (t2 - t1) - build
             timings["sample"] = timings.get("sample", 0.0) + (t3 - t2)
         return reqs, tokens, logprobs, prompt
 
