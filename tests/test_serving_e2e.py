@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from tests.factories import make_lora_dir
+from tests.hostile_cases import KINDS
 from tests.ray_cluster import Service, served_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -203,8 +204,8 @@ def test_a_forced_tool_call_through_the_served_app(service):
     (call,) = done.choices[0].message.tool_calls
     assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city", "days"}
-    out = service.generate(messages=pb.Messages(messages=[pb.ChatMessage(**m) for m in USER]),
-                           tools=[pb.Tool(name="get_weather", parameters_json=json.dumps(WEATHER["function"]["parameters"]))],
+    tool = pb.Tool(name="get_weather", parameters_json=json.dumps(WEATHER["function"]["parameters"]))
+    out = service.generate(messages=pb.Messages(messages=[pb.ChatMessage(**m) for m in USER]), tools=[tool],
                            tool_choice="get_weather", sampling=pb.SamplingOptions(max_tokens=120, seed=5))
     (grpc_call,) = out[-1].tool_calls
     assert out[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS and "".join(m.text for m in out) == ""
@@ -303,49 +304,32 @@ def test_cancelled_stream_and_deadlines_free_the_slot(service):
     service.wait_idle()
 
 
-BAD_INPUTS = [  # (name, gRPC request or raw bytes, HTTP completions body, gRPC code, HTTP status, message)
-    ("malformed protobuf", b"\xff\xff\xff", None, "INVALID_ARGUMENT", None, "not a valid"),
-    ("non-UTF-8 text", b"\x1a\x02\xff\xfe", b'{"model": "tiny", "prompt": "\xff\xfe"}', "INVALID_ARGUMENT", 400,
-     "UTF-8"),
-    ("unknown model", {"prompt": "hi", "model": "gpt-4"}, {"prompt": "hi", "model": "gpt-4"}, "NOT_FOUND", 404,
-     "not served"),
-    ("empty prompt", {"prompt": ""}, {"prompt": ""}, "INVALID_ARGUMENT", 400, "empty"),
-    ("oversized prompt", {"prompt": "hello " * 1000}, {"prompt": "hello " * 1000}, "INVALID_ARGUMENT", 400,
-     f"limit is {MAX_PROMPT_TOKENS}"),
-    ("bad temperature", {"prompt": "hi", "sampling": {"temperature": -1}}, {"prompt": "hi", "temperature": -1},
-     "INVALID_ARGUMENT", 400, "temperature"),
-    ("negative max_tokens", {"prompt": "hi", "sampling": {"max_tokens": -4}}, {"prompt": "hi", "max_tokens": -4},
-     "INVALID_ARGUMENT", 400, "max_tokens"),
-    ("huge max_tokens", {"prompt": "hi", "sampling": {"max_tokens": 10**9}}, {"prompt": "hi", "max_tokens": 10**9},
-     "INVALID_ARGUMENT", 400, "max_tokens"),
-    ("too many stop strings", {"prompt": "hi", "sampling": {"stop": ["x"] * 40}}, {"prompt": "hi", "stop": ["x"] * 40},
-     "INVALID_ARGUMENT", 400, "stop"),
-    ("token id out of range", {"prompt_token_ids": {"ids": [10**6]}}, {"prompt": [10**6]}, "INVALID_ARGUMENT", 400,
-     "prompt_token_ids"),
-]
+# What each listener must pass through unchanged: a body it cannot parse, bad UTF-8, a 404 and
+# field errors. Every kind, with its field names, is tests/test_hostile_e2e.py's (one listener).
+LISTENER_KINDS = [k for k in KINDS if k.id in {"garbage-bytes", "bad-utf8-prompt", "unknown-model",
+                                               "temperature-negative", "token-id-out-of-vocab"}]
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_gets_a_clear_error_on_both_protocols(service, case):
+@pytest.mark.parametrize("kind", LISTENER_KINDS, ids=[k.id for k in LISTENER_KINDS])
+def test_bad_input_gets_a_clear_error_on_both_protocols(service, kind):
     import httpx2
     from google.protobuf.json_format import ParseDict
 
-    name, grpc_request, http_body, code, status, needle = case
-    if isinstance(grpc_request, bytes):
+    if isinstance(kind.grpc, bytes):
         raw_call = service.channel.unary_stream("/slotserve.v1.SlotServe/Generate", request_serializer=None,
                                                 response_deserializer=pb.GenerateResponse.FromString)
-        call = raw_call(grpc_request, timeout=30)
+        call = raw_call(kind.grpc, timeout=30)
     else:
-        call = service.stub.Generate(ParseDict(grpc_request, pb.GenerateRequest()), timeout=30)
+        call = service.stub.Generate(ParseDict(kind.grpc, pb.GenerateRequest()), timeout=30)
     with pytest.raises(grpc.RpcError) as info:
         list(call)
-    assert info.value.code() == getattr(grpc.StatusCode, code) and needle in info.value.details()
-    if http_body is not None:
-        content = http_body if isinstance(http_body, bytes) else None
-        json_body = None if content else {"model": "tiny", "max_tokens": 4, **http_body}
-        r = httpx2.post(f"{service.base_url}/completions", content=content, json=json_body, timeout=30,
-                        headers={"content-type": "application/json"})
-        assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+    grpc_needle, http_needle = kind.needles()
+    assert info.value.code() == getattr(grpc.StatusCode, kind.code) and grpc_needle in info.value.details()
+    path, body = kind.http
+    r = httpx2.post(service.base_url.removesuffix("/v1") + path, headers={"content-type": "application/json"},
+                    content=body if isinstance(body, bytes) else json.dumps(body).encode(), timeout=30)
+    assert r.status_code == kind.status and http_needle in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == kind.param
 
 
 def test_overload_is_refused_and_the_service_keeps_serving(service):
