@@ -186,9 +186,9 @@ CUDA = torch.device("cuda")  # a device name only: nothing here touches a GPU
 
 def test_auto_picks_a_flash_kernel_on_cuda_in_half_precision_and_the_cpu_kernel_on_cpu(monkeypatch):
     monkeypatch.setattr("engine.attention._installed", lambda module: False)  # neither package, wherever this runs
-    monkeypatch.setattr("engine.attention.cpu.compiler_problem", lambda: None)
+    monkeypatch.setattr("engine.cpu_kernels.compiler_problem", lambda: None)
     assert resolve_backend("auto", CPU, torch.float32, 16, 64)[0] == "cpu"
-    monkeypatch.setattr("engine.attention.cpu.compiler_problem", lambda: "no C++ compiler")
+    monkeypatch.setattr("engine.cpu_kernels.compiler_problem", lambda: "no C++ compiler")
     name, why = resolve_backend("auto", CPU, torch.float32, 16, 64)
     assert name == "torch" and "no C++ compiler" in why
     name, why = resolve_backend("auto", CUDA, torch.float32, 16, 64)

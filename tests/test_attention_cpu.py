@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.attention import create_backend
+from engine import cpu_kernels
 from engine.attention import cpu as cpu_attention
 from engine.attention.metadata import build_step_inputs
 from engine.request import Request
@@ -103,7 +104,7 @@ def test_kv_rows_land_in_their_slots(dtype):
     slots = torch.randperm(blocks * block_size)[:tokens]
     backend = create_backend("cpu", CPU, kv_heads, kv_heads, head_dim, block_size, dtype)
     k_cache, v_cache = backend.allocate_cache(blocks, dtype, CPU)
-    cpu_attention.load_kernel().write_kv(k_cache, v_cache, k, v, slots)
+    cpu_kernels.load_kernel().write_kv(k_cache, v_cache, k, v, slots)
     block, offset = slots // block_size, slots % block_size
     assert torch.equal(k_cache.permute(0, 3, 1, 2)[block, offset], k)  # [blocks, block_size, kv_heads, d]
     assert torch.equal(v_cache.transpose(1, 2)[block, offset], v)
@@ -111,13 +112,37 @@ def test_kv_rows_land_in_their_slots(dtype):
     untouched[slots] = False
     assert not v_cache.transpose(1, 2).reshape(-1, kv_heads, head_dim)[untouched].any()
     with pytest.raises(RuntimeError, match="one slot per token"):
-        cpu_attention.load_kernel().write_kv(k_cache, v_cache, k, v, slots[:-1])
+        cpu_kernels.load_kernel().write_kv(k_cache, v_cache, k, v, slots[:-1])
     with pytest.raises(RuntimeError, match="share one dtype"):
-        cpu_attention.load_kernel().write_kv(k_cache, v_cache, k.half(), v.half(), slots)
+        cpu_kernels.load_kernel().write_kv(k_cache, v_cache, k.half(), v.half(), slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("length", [1, 21, 32, 47])
+def test_what_a_block_holds_past_a_requests_last_key_never_reaches_its_output(length, dtype):
+    """The kernel scores a request's last keys as a whole vector of its last block: the slots past them
+    (NaN here, as stale data could be) are read but must not count."""
+    kv_heads, heads, head_dim, block_size = 2, 6, 64, 16
+    backend = create_backend("cpu", CPU, heads, kv_heads, head_dim, block_size, dtype)
+    k_cache, v_cache = backend.allocate_cache(8, dtype, CPU)
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    k, v = (torch.randn(length, kv_heads, head_dim).to(dtype) for _ in range(2))
+    blocks = torch.tensor([5, 2, 7], dtype=torch.int32)
+    slots = (blocks.long()[torch.arange(length) // block_size] * block_size + torch.arange(length) % block_size)
+    cpu_kernels.load_kernel().write_kv(k_cache, v_cache, k, v, slots)
+    q = torch.randn(1, heads, head_dim).to(dtype)
+    out = torch.empty_like(q)
+    cpu_kernels.load_kernel().paged_attention(out, q, k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32),
+                                              torch.tensor([length], dtype=torch.int32), blocks[None], 0.125)
+    group = heads // kv_heads
+    scores = torch.einsum("hd,thd->ht", q[0].float(), k.float().repeat_interleave(group, 1)) * 0.125
+    want = torch.einsum("ht,thd->hd", scores.softmax(-1), v.float().repeat_interleave(group, 1))
+    torch.testing.assert_close(out[0].float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def test_cpu_kernel_names_what_is_wrong():
-    kernel = cpu_attention.load_kernel().paged_attention
+    kernel = cpu_kernels.load_kernel().paged_attention
     q = torch.randn(2, 4, 16)
     k_cache, v_cache = torch.zeros(4, 2, 16, 8), torch.zeros(4, 2, 8, 16)  # 4 blocks of 8 tokens, 2 KV heads
     cu, lens, table = torch.tensor([0, 1, 2]), torch.tensor([3, 5]), torch.zeros(2, 1)
@@ -132,24 +157,24 @@ def test_cpu_kernel_names_what_is_wrong():
 
 
 def test_the_build_is_keyed_by_source_flags_and_cpu(monkeypatch, tmp_path):
-    name = cpu_attention.kernel_name()
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "another cpu")
-    assert cpu_attention.kernel_name() != name
+    name = cpu_kernels.kernel_name()
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "another cpu")
+    assert cpu_kernels.kernel_name() != name
     monkeypatch.undo()
-    monkeypatch.setattr(cpu_attention, "CFLAGS", cpu_attention.CFLAGS + ("-DOTHER",))
-    assert cpu_attention.kernel_name() != name
+    monkeypatch.setattr(cpu_kernels, "CFLAGS", cpu_kernels.CFLAGS + ("-DOTHER",))
+    assert cpu_kernels.kernel_name() != name
     monkeypatch.undo()
     source = tmp_path / "paged_attention.cpp"
-    source.write_bytes(cpu_attention.SOURCES[0].read_bytes() + b"\n// edited\n")
-    monkeypatch.setattr(cpu_attention, "SOURCES", (source,))
-    assert cpu_attention.kernel_name() != name
+    source.write_bytes(cpu_kernels.SOURCES[0].read_bytes() + b"\n// edited\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (source, *cpu_kernels.SOURCES[1:]))
+    assert cpu_kernels.kernel_name() != name
     monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
-    assert cpu_attention.kernel_dir() == tmp_path / "kernels"
+    assert cpu_kernels.kernel_dir() == tmp_path / "kernels"
 
 
 def test_without_a_compiler_the_reason_is_given(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
-    assert "no-such-compiler-here" in cpu_attention.compiler_problem()
+    assert "no-such-compiler-here" in cpu_kernels.compiler_problem()
 
 
 def test_engine_in_bf16_agrees_with_the_torch_backend(tmp_path):
@@ -168,11 +193,11 @@ def test_engine_in_bf16_agrees_with_the_torch_backend(tmp_path):
 def test_a_build_killed_midway_does_not_block_the_next_load():
     """torch's build lock is a file its builder deletes when done; one left by a killed builder is
     cleared (this process holds the OS lock every builder takes), not waited on forever."""
-    cpu_attention.load_kernel()
-    stale = cpu_attention.kernel_dir() / cpu_attention.kernel_name() / "lock"
+    cpu_kernels.load_kernel()
+    stale = cpu_kernels.kernel_dir() / cpu_kernels.kernel_name() / "lock"
     stale.touch()
     result: list = []
-    loader = threading.Thread(target=lambda: result.append(cpu_attention.load_kernel.__wrapped__()), daemon=True)
+    loader = threading.Thread(target=lambda: result.append(cpu_kernels.load_kernel.__wrapped__()), daemon=True)
     loader.start()
     loader.join(timeout=120)
     assert result and not stale.exists()

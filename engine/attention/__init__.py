@@ -108,7 +108,7 @@ def backend_problem(name: str, device: torch.device, dtype: torch.dtype, block_s
             return f"it runs on the CPU, not {device.type}"
         if head_dim % 16:
             return f"head_dim must be a multiple of 16, got {head_dim}"
-        from engine.attention.cpu import compiler_problem
+        from engine.cpu_kernels import compiler_problem
         return compiler_problem()
     if device.type != "cuda":
         return f"it needs a CUDA device, not {device.type}"

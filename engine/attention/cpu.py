@@ -1,4 +1,4 @@
-"""CPU attention that reads the paged cache in place: a small C++ kernel built on first use.
+"""CPU attention that reads the paged cache in place: a small C++ kernel (engine.cpu_kernels).
 
 Cache layouts: V ``[num_blocks, kv_heads, block_size, head_dim]`` and K the same with its last
 two dimensions swapped (``[.., head_dim, block_size]``). One head's block is one contiguous run
@@ -6,98 +6,25 @@ of memory, which the hardware prefetcher streams (measured ~15 % faster than the
 ``[num_blocks, block_size, kv_heads, head_dim]`` for a decode step); transposed keys let the
 kernel score W keys per vector instruction with no horizontal sums (5-10 % faster per layer
 than keys stored like values). Decodes and short chunks after a cached prefix go to the kernel
-(``csrc/paged_attention.cpp``), which walks each request's block table: no per-layer gather, no
-padding to the longest context. First chunks attend to their own new K/V with torch's fused CPU
-flash-attention (SDPA, causal), one call per request: they are compute-bound. So are long chunks
-after a prefix, which get their context copied out of the cache and go to SDPA too. The same library writes each step's K/V into its slots: ``index_put_`` on
-the head-major view cost ~10x the kernel's time.
-
-The library is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` into
-``$SLOTSERVE_CACHE/kernels`` (default ``~/.cache/slotserve/kernels``) the first time a process
-needs it; the folder name hashes the sources, torch's version, the compiler flags and the
-CPU's instruction sets, so a stale or foreign build is never loaded. Concurrent builds (Ray
-replicas, tensor-parallel ranks) wait on the extension builder's own lock.
+(``engine/csrc/paged_attention.cpp``), which walks each request's block table: no per-layer
+gather, no padding to the longest context. First chunks attend to their own new K/V with torch's
+fused CPU flash-attention (SDPA, causal), one call per request: they are compute-bound. So are
+long chunks after a prefix, which get their context copied out of the cache and go to SDPA too.
+The same library writes each step's K/V into its slots: ``index_put_`` on the head-major view
+cost ~10x the kernel's time.
 """
 
 from __future__ import annotations
-
-import fcntl
-import hashlib
-import logging
-import os
-import shutil
-import time
-from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.config import cache_dir
-from engine.cpu_features import cpu_flags
+from engine.cpu_kernels import load_kernel
 
-logger = logging.getLogger(__name__)
-
-SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.cpp",)
-# -ffast-math at compile time only: it lets the compiler vectorize reductions and expf; linked
-# without it, the library does not switch the process to flush-to-zero.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
 SDPA_MIN_ROWS = 48
 """Chunks after a cached prefix with at least this many query rows go to torch's fused kernel, not
 the paged kernel (measured: the paged kernel wins at 16 rows, loses 1.5x at 64 and 3x at 400)."""
-
-
-def _cpu_flags() -> str:
-    return " ".join(sorted(cpu_flags()))
-
-
-def kernel_dir() -> Path:
-    return cache_dir("kernels")
-
-
-def kernel_name() -> str:
-    digest = hashlib.sha256()
-    sources = (source.read_bytes() for source in SOURCES)
-    for part in (*sources, torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode(),
-                 _cpu_flags().encode()):
-        digest.update(part)
-    return f"slotserve_cpu_attn_{digest.hexdigest()[:16]}"
-
-
-def compiler_problem() -> str | None:
-    """Why the kernel cannot be built here, or None."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r} not on PATH; install g++ or set CXX)"
-    from torch.utils.cpp_extension import is_ninja_available
-    if not is_ninja_available():
-        return "ninja is not installed (pip install ninja)"
-    return None
-
-
-@cache
-def load_kernel():
-    """``torch.ops.slotserve_cpu`` (``paged_attention``, ``write_kv``), building the library first if
-    needed."""
-    from torch.utils.cpp_extension import load
-    name = kernel_name()
-    build = kernel_dir() / name
-    fresh = not (build / f"{name}.so").exists()
-    build.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(build / "build.flock", "a") as held:
-        # torch's own lock is a file its builder deletes when done: one killed mid-build leaves it,
-        # and every later load would wait forever. An OS lock dies with its holder, so whoever
-        # holds this one is the only builder, and a torch lock file it finds is stale.
-        fcntl.flock(held, fcntl.LOCK_EX)
-        (build / "lock").unlink(missing_ok=True)
-        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
-             extra_ldflags=list(LDFLAGS), build_directory=str(build), is_python_module=False, verbose=False)
-    logger.info("CPU kernel library %s in %.1f s (%s)", "built" if fresh else "loaded",
-                time.perf_counter() - t0, build)
-    return torch.ops.slotserve_cpu
 
 
 class CpuAttentionBackend(AttentionBackend):

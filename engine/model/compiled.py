@@ -7,8 +7,8 @@ one-token steps, which it specializes). Two custom ops stay opaque to inductor:
   FlashAttention, Triton) runs unchanged inside the graph; the step's metadata (Python lists,
   per-step tensors) reaches it out of band, through ``step_context``, so it never becomes a
   guard that would recompile every step (vLLM passes its forward context the same way).
-- ``slotserve::packed_linear`` (CPU): the oneDNN GEMM over the weights ``prepack`` packed, as
-  the eager model runs it. A packed oneDNN tensor can be neither traced nor written to
+- ``slotserve::packed_linear`` (CPU): the GEMM over the weights ``prepack`` packed (AMX tiles for
+  decode-sized inputs, oneDNN for the rest), as the eager model runs it. A packed oneDNN tensor can be neither traced nor written to
   inductor's disk cache, so the graph names each layer by its index in the model instead.
 - ``slotserve::lora_delta`` (LoRA engines): what the step's adapters add to a projection
   (engine.lora.layers). The step's token -> adapter map is host state that changes every step;
@@ -42,6 +42,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import cache_dir
+from engine.model.layers import linear
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,9 @@ def _op(name: str):
 
 @_op("packed_linear")
 def packed_linear(x: torch.Tensor, index: int, out_features: int, with_bias: bool) -> torch.Tensor:
-    """``x @ W.T (+ b)`` with the running model's packed layer ``index`` (oneDNN, as in eager)."""
+    """``x @ W.T (+ b)`` with the running model's packed layer ``index`` (AMX or oneDNN, as in eager)."""
     layer = _current()[2][index]
-    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias if with_bias else None, "none", [], "")
+    return linear(x, layer.weight, layer.bias if with_bias else None, layer.packed, layer.amx)
 
 
 @torch.library.register_fake("slotserve::packed_linear", lib=_lib)

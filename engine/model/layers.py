@@ -63,7 +63,33 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+AMX_MAX_ROWS = 16
+"""Inputs of at most this many rows (decode steps) go to the AMX kernel; larger ones to oneDNN."""
+
+
+def amx_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether bfloat16 linear layers can run on AMX tiles (engine/csrc/amx_linear.cpp) here."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    from engine.cpu_kernels import amx_linear_problem
+    return amx_linear_problem() is None
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` ``[N, K]`` as the AMX kernel reads it, ``[N/16, K/32, 16 K-pairs, 16 columns, 2]``;
+    None when N is not a multiple of 16 or K of 32."""
+    n, k = weight.shape
+    if n % 16 or k % 32:
+        return None
+    return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+           amx: torch.Tensor | None = None):
+    if amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+        out = x.new_empty(x.shape[0], amx.shape[0] * 16)
+        torch.ops.slotserve_cpu.amx_linear(out, x if x.stride(-1) == 1 else x.contiguous(), amx)
+        return out if bias is None else out.add_(bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -77,6 +103,9 @@ def _attach(param: nn.Parameter, loader) -> nn.Parameter:
 class LinearBase(nn.Module):
     packed: torch.Tensor | None = None
     """oneDNN-packed weight (CPU, after ``prepack``); the dense weight is then released."""
+    amx: torch.Tensor | None = None
+    """The weight packed for the AMX kernel (``pack_amx``), which runs decode-sized inputs; a second
+    copy beside ``packed``, which runs the rest."""
     packed_index: int = -1
     """This layer's number in the compiled model's list of packed layers (engine.model.compiled)."""
     lora = None
@@ -94,7 +123,8 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         _copy_checked(param, _whole(loaded), type(self).__name__)
 
-    def prepack(self, batch_hint: int) -> None:
+    def prepack(self, batch_hint: int, amx: bool = False) -> None:
+        self.amx = pack_amx(self.weight) if amx else None
         self.packed = pack_weight(self.weight, batch_hint)
         self.weight.data = self.weight.data.new_empty(0)
 
@@ -109,7 +139,7 @@ class LinearBase(nn.Module):
                     raise RuntimeError("LoRA weights were attached after the model was compiled")
                 out = out + torch.ops.slotserve.lora_delta(x, self.lora.index, out.shape[-1])
             return out
-        out = linear(x, self.weight, self.bias if with_bias else None, self.packed)
+        out = linear(x, self.weight, self.bias if with_bias else None, self.packed, self.amx)
         delta = self.lora.delta(x) if self.lora is not None else None
         return out if delta is None else out.add_(delta)
 
@@ -228,13 +258,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     (the only rank that samples); other ranks get None."""
 
     packed: torch.Tensor | None = None
+    amx: torch.Tensor | None = None
 
-    def prepack(self, batch_hint: int) -> None:
-        """A packed copy; the dense weight stays (tied embeddings read it)."""
+    def prepack(self, batch_hint: int, amx: bool = False) -> None:
+        """Packed copies; the dense weight stays (tied embeddings read it)."""
+        self.amx = pack_amx(self.weight) if amx else None
         self.packed = pack_weight(self.weight, batch_hint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.group.gather_last_dim(linear(hidden, self.weight, None, self.packed))
+        return self.group.gather_last_dim(linear(hidden, self.weight, None, self.packed, self.amx))
 
 
 class RMSNorm(nn.Module):

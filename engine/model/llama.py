@@ -115,11 +115,12 @@ class DecoderForCausalLM(nn.Module):
         logits = self.lm_head(self.norm(hidden.index_select(0, logits_indices)))
         return None if logits is None else logits.float()
 
-    def prepack(self, batch_hint: int) -> None:
-        """Pack every linear weight for oneDNN's CPU GEMM (engine.model.layers.pack_weight)."""
+    def prepack(self, batch_hint: int, amx: bool = False) -> None:
+        """Pack every linear weight for oneDNN's CPU GEMM (engine.model.layers.pack_weight) and, with
+        ``amx``, for the AMX kernel too (``pack_amx``)."""
         for module in self.modules():
             if hasattr(module, "prepack") and module is not self:
-                module.prepack(batch_hint)
+                module.prepack(batch_hint, amx)
 
     def parameter_for(self, checkpoint_name: str) -> tuple[str, object] | None:
         """Map a checkpoint tensor name to (our parameter name, shard id); None to skip it."""

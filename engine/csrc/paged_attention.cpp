@@ -167,7 +167,18 @@ void score_row(const float* qf, const T* k_cache, const int32_t* blocks, int64_t
         ready = 0;
       }
     }
-    if (o < n) score_partial(qf, key + o, n - o, G, D, bs, scores + b * bs + o, ld);
+    // A request's last keys as a whole vector when the block has room: the lanes past n read slots
+    // of its own block (whatever they hold), whose scores attend_row overwrites before the softmax.
+    if (o < n && o + W <= bs) {
+      keys[ready] = key + o;
+      outs[ready] = scores + b * bs + o;
+      if (++ready == V) {
+        score_vectors<G, V>(qf, keys, D, bs, outs, ld);
+        ready = 0;
+      }
+    } else if (o < n) {
+      score_partial(qf, key + o, n - o, G, D, bs, scores + b * bs + o, ld);
+    }
   }
   for (int v = 0; v < ready; ++v) score_vectors<G, 1>(qf, keys + v, D, bs, outs + v, ld);
 }
@@ -249,29 +260,38 @@ void values_row_any(const float* p, const T* v_cache, const int32_t* blocks, int
 }
 
 // G query heads of one row over the first `len` tokens of one request, one KV head.
-// Scratch: qf [G, head_dim], scores [G, len rounded up to W], acc [G, head_dim / W].
+// Scratch: qf [G, head_dim], scores [G, len rounded up to W], acc [G, head_dim / W], inv [G].
 template <typename T>
 void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t kv_head,
-                int64_t len, float scale, const Shapes& s, float* qf, float* scores, vfloat* acc, T* out) {
+                int64_t len, float scale, const Shapes& s, float* qf, float* scores, vfloat* acc, float* inv,
+                T* out) {
   const int64_t G = s.group, D = s.head_dim, padded = (len + W - 1) / W * W;
   for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   score_row_any(qf, k_cache, blocks, kv_head, len, s, scores, padded);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * padded;
-    float peak = sg[0];
-    for (int64_t t = 1; t < len; ++t) peak = std::max(peak, sg[t]);
     for (int64_t t = len; t < padded; ++t) sg[t] = -1e30f;  // exp clamps it to ~0; never read after
+    vfloat peaks = load(sg);
+    for (int64_t t = W; t < padded; t += W) {
+      const vfloat x = load(sg + t);
+      peaks = x > peaks ? x : peaks;
+    }
+    float peak = peaks[0];  // a vector maximum, then its lanes: a scalar chain of len steps was ~20 % of a layer
+    for (int64_t i = 1; i < W; ++i) peak = std::max(peak, peaks[i]);
     vfloat total{};
     for (int64_t t = 0; t < padded; t += W) {
       vfloat e = exp_nonpositive(load(sg + t) - peak);
       std::memcpy(sg + t, &e, sizeof(e));
       total += e;
     }
-    const float inv = 1.f / hsum(total);
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    inv[g] = 1.f / hsum(total);  // applied to the G x head_dim outputs, not to len probabilities
   }
   values_row_any(scores, v_cache, blocks, kv_head, len, s, padded, acc);
-  for (int64_t g = 0; g < G; ++g) store_row(reinterpret_cast<const float*>(acc + g * (D / W)), out + g * D, D);
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = reinterpret_cast<float*>(acc + g * (D / W));
+    for (int64_t i = 0; i < D; ++i) row[i] *= inv[g];
+    store_row(row, out + g * D, D);
+  }
 }
 
 template <typename T>
@@ -304,17 +324,18 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   // Dynamic schedule: rows differ in length (decodes come sorted longest first).
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> scratch(G * ((longest + W - 1) / W * W) + G * D);
+    std::vector<float> scratch(G * ((longest + W - 1) / W * W) + G * D + G);
     std::vector<vfloat> acc(G * D / W);
     float* scores = scratch.data();
     float* qf = scores + G * ((longest + W - 1) / W * W);
+    float* inv = qf + G * D;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t row = item / s.kv_heads, h = item % s.kv_heads;
       const int64_t len = row_len[row];
       if (len <= 0) continue;
       const int32_t* blocks = table + row_request[row] * s.table_width;
-      attend_row(qp + row * s.q_row + h * G * D, kp, vp, blocks, h, len, fscale, s, qf, scores, acc.data(),
+      attend_row(qp + row * s.q_row + h * G * D, kp, vp, blocks, h, len, fscale, s, qf, scores, acc.data(), inv,
                  op + row * s.heads * D + h * G * D);
     }
   }
