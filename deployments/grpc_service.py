@@ -16,6 +16,7 @@ import json
 from typing import Any, AsyncIterator, NoReturn
 
 import grpc
+from google.protobuf.json_format import ParseDict
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from pydantic import ValidationError
@@ -315,6 +316,5 @@ class ServingHealthUnknown(ServingError):
 
 
 def load_to_proto(load: dict) -> pb.LoadReport:
-    fields = {f.name for f in pb.ReplicaLoad.DESCRIPTOR.fields}
-    replicas = [pb.ReplicaLoad(**{k: v for k, v in r.items() if k in fields}) for r in load["replicas"]]
-    return pb.LoadReport(replicas=replicas, **{k: v for k, v in load.items() if k != "replicas"})
+    """The frontend's load dict as a message; what replicas report for routing only is left out."""
+    return ParseDict(load, pb.LoadReport(), ignore_unknown_fields=True)

@@ -29,7 +29,7 @@ from engine.memory import MemoryBudget, dummy_prefill, measure_peak, outside_tor
 from engine.lora import LoRAModel
 from engine.model import ModelArch, load_model
 from engine.model.compiled import CompiledDecoder
-from engine.model.layers import amx_supported, cpu_prepack_supported
+from engine.model.layers import AMX_MAX_ROWS, amx_supported, cpu_prepack_supported
 from engine.parallel import ParallelGroup
 from engine.sampler import PROMPT_ROWS_AT_ONCE, Sampler, SamplingBatch, prompt_logprobs
 from engine.scheduler import MAX_SCORED_TOKENS, ScheduledChunk
@@ -79,7 +79,9 @@ class ModelRunner:
             self.lora = LoRAModel(self.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras or lora.max_loras)
         if cpu_prepack_supported(self.device, self.dtype):
             # Decode steps run about max_num_seqs rows through every linear layer.
-            self.model.prepack(config.scheduler.max_num_seqs, amx=amx_supported(self.device, self.dtype))
+            amx = amx_supported(self.device, self.dtype)
+            self.model.prepack(config.scheduler.max_num_seqs, amx=amx)
+            logger.info("linear layers: oneDNN%s", f", AMX tiles for steps of <= {AMX_MAX_ROWS} rows" if amx else "")
         # Not with tensor parallelism: its ranks all-reduce mid-layer, outside what one graph can trace.
         self.compiled: CompiledDecoder | None = None
         if config.compile_model and not config.enforce_eager and self.group.world_size == 1:
