@@ -1,4 +1,4 @@
-"""bfloat16 linear layers on AMX tiles (engine/csrc/amx_linear.cpp): the decode-sized GEMM.
+"""bfloat16 linear layers on AMX tiles (engine/csrc/amx_linear.cpp): decode-sized and mid-sized GEMMs.
 
 Checked against float32 matmuls and against oneDNN, alone and inside an engine whose prefill
 steps run oneDNN's AMX kernels on the same threads. Needs a CPU with AMX (the reason is given
@@ -20,12 +20,14 @@ def _bf16(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 8, 13, 16])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 8, 13, 16, 17, 40, 300, 512, 530])
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 64), (112, 96), (960, 576), (576, 1536)])
 def test_every_row_count_and_column_remainder_matches_a_float32_matmul(rows, n, k):
-    """Column blocks come in groups of four; 48 and 112 columns leave groups of three and three."""
+    """Column blocks come in groups of four (48 and 112 columns leave groups of three), rows come 16 at
+    a time with a remainder tile, in panels of 512 (530 rows: two panels)."""
     weight, x = _bf16(n, k, seed=n), _bf16(rows, k, seed=k + rows)
-    out = linear(x, weight, None, None, pack_amx(weight))
+    out = x.new_empty(rows, n)
+    load_kernel().amx_linear(out, x, pack_amx(weight))
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     want = x.float() @ weight.float().T  # fp32 accumulation, rounded once: at most one bf16 step apart
     torch.testing.assert_close(out.float(), want.bfloat16().float(), rtol=2 ** -7, atol=1e-3 * k ** 0.5)
@@ -41,13 +43,12 @@ def test_it_gives_onednns_bits_and_takes_rows_with_a_stride():
     assert torch.equal(linear(x, weight, bias, None, pack_amx(weight)), onednn + bias)
 
 
-def test_more_rows_than_a_tile_go_to_onednn():
+def test_inputs_past_its_row_limit_go_to_onednn():
     weight, x = _bf16(64, 64, seed=4), _bf16(AMX_MAX_ROWS + 1, 64, seed=5)
     packed = pack_weight(weight, 16)
     got = linear(x, weight, None, packed, pack_amx(weight))
     assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        load_kernel().amx_linear(torch.empty(17, 64, dtype=torch.bfloat16), x, pack_amx(weight))
+    assert torch.equal(linear(x[:AMX_MAX_ROWS], weight, None, None, pack_amx(weight)), got[:AMX_MAX_ROWS])
 
 
 def test_shapes_it_cannot_tile_are_left_to_onednn_and_bad_calls_name_the_problem():
@@ -59,6 +60,8 @@ def test_shapes_it_cannot_tile_are_left_to_onednn_and_bad_calls_name_the_problem
         amx_linear(torch.empty(4, 64), x.float(), pack_amx(weight))
     with pytest.raises(RuntimeError, match="does not match"):
         amx_linear(torch.empty(4, 32, dtype=torch.bfloat16), x, pack_amx(weight))
+    with pytest.raises(RuntimeError, match="as many rows"):
+        amx_linear(torch.empty(5, 64, dtype=torch.bfloat16), x, pack_amx(weight))
     with pytest.raises(RuntimeError, match="rows of x and out must be contiguous"):
         amx_linear(torch.empty(4, 64, dtype=torch.bfloat16), _bf16(64, 4, seed=10).T, pack_amx(weight))
 

@@ -1,9 +1,12 @@
-// bfloat16 linear layers on AMX tiles for steps of at most 16 rows (decode steps).
+// bfloat16 linear layers on AMX tiles for steps of up to a few hundred rows (decode steps, and
+// decodes with a short prompt chunk).
 //
-// Such a step reads every weight once and does ~16 multiply-adds per weight: it is bound by
-// memory bandwidth, and oneDNN's GEMM (prefill's, through torch) reaches ~15-20 GB/s on it here,
-// plus ~20 us of fixed cost a call. One AMX tile multiply covers all rows, 16 output columns and
-// 32 of K, so this loop does little but stream the weights (measured 28-45 GB/s).
+// A decode step reads every weight once and does ~16 multiply-adds per weight: it is bound by
+// memory bandwidth, and oneDNN's GEMM (through torch) reaches ~15-20 GB/s on it here, plus ~20 us
+// of fixed cost a call. One AMX tile multiply covers 16 rows, 16 output columns and 32 of K, so
+// this loop does little but stream the weights (measured 28-45 GB/s). Larger inputs take the rows
+// 16 at a time in panels that stay in L2 while each group of columns passes over them; past
+// ~1,000 rows oneDNN's blocking for caches is faster (engine/model/layers.py, AMX_MAX_ROWS).
 //
 // Weights are packed once (engine/model/layers.py, pack_amx) as [N/16, K/32, 16, 16, 2]: for each
 // 16-column block, K/32 tiles of 16 rows of K-pairs x 16 columns, the layout TDPBF16PS reads, one
@@ -32,6 +35,7 @@ namespace {
 constexpr int kTileK = 32;   // bf16 values of K in one tile row (64 bytes)
 constexpr int kBlockN = 16;  // output columns of one C tile
 constexpr int kGroup = 4;    // column blocks sharing each A tile load (C tiles 0-3)
+constexpr int64_t kPanelRows = 512;  // rows of x that stay in L2 while every column group passes over them
 constexpr int64_t kBlockTile = kTileK * kBlockN;  // bf16 values in one B tile
 
 struct alignas(64) TileConfig {
@@ -120,7 +124,7 @@ void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) 
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
                   weight.scalar_type() == at::kBFloat16, "amx_linear: tensors must be bfloat16");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
-  TORCH_CHECK(m <= 16 && out.size(0) == m, "amx_linear: at most 16 rows, out with as many as x, got ", m);
+  TORCH_CHECK(out.size(0) == m, "amx_linear: out must have as many rows as x, got ", out.size(0), " and ", m);
   TORCH_CHECK(weight.is_contiguous() && weight.size(0) * 16 == n && weight.size(1) * 32 == k &&
                   weight.size(2) == 16 && weight.size(3) == 16 && weight.size(4) == 2,
               "amx_linear: packed weight of shape ", weight.sizes(), " does not match x ", x.sizes(), " and out ",
@@ -132,18 +136,31 @@ void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) 
   const auto* wp = weight.const_data_ptr<at::BFloat16>();
   auto* op = out.mutable_data_ptr<at::BFloat16>();
   const int64_t blocks = n / kBlockN, k_tiles = k / kTileK, ldx = x.stride(0), ldo = out.stride(0);
-  at::parallel_for(0, blocks, kGroup, [&](int64_t begin, int64_t end) {
-    configure(static_cast<int>(m));
-    for (int64_t nb = begin; nb < end; nb += kGroup) {
-      switch (std::min<int64_t>(kGroup, end - nb)) {
-        case 4: column_group<4>(xp, ldx, wp, k_tiles, nb, m, op, ldo); break;
-        case 3: column_group<3>(xp, ldx, wp, k_tiles, nb, m, op, ldo); break;
-        case 2: column_group<2>(xp, ldx, wp, k_tiles, nb, m, op, ldo); break;
-        default: column_group<1>(xp, ldx, wp, k_tiles, nb, m, op, ldo);
+  for (int64_t p0 = 0; p0 < m; p0 += kPanelRows) {
+    const int64_t p1 = std::min(m, p0 + kPanelRows);
+    at::parallel_for(0, blocks, kGroup, [&](int64_t begin, int64_t end) {
+      int tile_rows = 0;
+      for (int64_t nb = begin; nb < end; nb += kGroup) {
+        const int64_t group = std::min<int64_t>(kGroup, end - nb);
+        for (int64_t r0 = p0; r0 < p1; r0 += 16) {
+          const int rows = static_cast<int>(std::min<int64_t>(16, p1 - r0));
+          if (rows != tile_rows) {
+            configure(rows);
+            tile_rows = rows;
+          }
+          const at::BFloat16* xr = xp + r0 * ldx;
+          at::BFloat16* orow = op + r0 * ldo;
+          switch (group) {
+            case 4: column_group<4>(xr, ldx, wp, k_tiles, nb, rows, orow, ldo); break;
+            case 3: column_group<3>(xr, ldx, wp, k_tiles, nb, rows, orow, ldo); break;
+            case 2: column_group<2>(xr, ldx, wp, k_tiles, nb, rows, orow, ldo); break;
+            default: column_group<1>(xr, ldx, wp, k_tiles, nb, rows, orow, ldo);
+          }
+        }
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
+  }
 #endif
 }
 

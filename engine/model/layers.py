@@ -63,8 +63,10 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
-AMX_MAX_ROWS = 16
-"""Inputs of at most this many rows (decode steps) go to the AMX kernel; larger ones to oneDNN."""
+AMX_MAX_ROWS = 512
+"""Inputs of at most this many rows go to the AMX kernel, larger ones to oneDNN. One forward's GEMMs
+of the default model (cold weights, 2 threads), AMX against oneDNN: 8.0 against 12.3 ms at 16 rows,
+65 against 71 ms at 256, 151 against 174 ms at 512, even at 768-1,024, 400 against 229 ms at 2,048."""
 
 
 def amx_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -104,8 +106,8 @@ class LinearBase(nn.Module):
     packed: torch.Tensor | None = None
     """oneDNN-packed weight (CPU, after ``prepack``); the dense weight is then released."""
     amx: torch.Tensor | None = None
-    """The weight packed for the AMX kernel (``pack_amx``), which runs decode-sized inputs; a second
-    copy beside ``packed``, which runs the rest."""
+    """The weight packed for the AMX kernel (``pack_amx``), which runs inputs of up to ``AMX_MAX_ROWS``
+    rows; a second copy beside ``packed``, which runs larger ones."""
     packed_index: int = -1
     """This layer's number in the compiled model's list of packed layers (engine.model.compiled)."""
     lora = None
