@@ -9,7 +9,7 @@
 // the G query heads sharing that KV head read each key and value once. Scores stay in fp32
 // whatever the cache dtype.
 //
-// Built on first use by engine/attention/cpu.py with -O3 -march=native. Scores and values use
+// Built on first use by engine/cpu_kernels.py with -O3 -march=native. Scores and values use
 // GCC vector types of W floats (the widest the build's target has), so no loop depends on the
 // auto-vectorizer.
 

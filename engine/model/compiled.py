@@ -7,9 +7,10 @@ one-token steps, which it specializes). Two custom ops stay opaque to inductor:
   FlashAttention, Triton) runs unchanged inside the graph; the step's metadata (Python lists,
   per-step tensors) reaches it out of band, through ``step_context``, so it never becomes a
   guard that would recompile every step (vLLM passes its forward context the same way).
-- ``slotserve::packed_linear`` (CPU): the GEMM over the weights ``prepack`` packed (AMX tiles for
-  decode-sized inputs, oneDNN for the rest), as the eager model runs it. A packed oneDNN tensor can be neither traced nor written to
-  inductor's disk cache, so the graph names each layer by its index in the model instead.
+- ``slotserve::packed_linear`` (CPU): the GEMM over the weights ``prepack`` packed (AMX tiles up
+  to ``AMX_MAX_ROWS`` rows, oneDNN above), as the eager model runs it. A packed oneDNN tensor can
+  be neither traced nor written to inductor's disk cache, so the graph names each layer by its
+  index in the model instead.
 - ``slotserve::lora_delta`` (LoRA engines): what the step's adapters add to a projection
   (engine.lora.layers). The step's token -> adapter map is host state that changes every step;
   read out of band like the attention metadata, it never becomes a guard, and inside a decode
