@@ -1,7 +1,7 @@
 """bfloat16 linear layers on AMX tiles (engine/csrc/amx_linear.cpp): decode-sized and mid-sized GEMMs.
 
-Checked against float32 matmuls and against oneDNN, alone and inside an engine whose prefill
-steps run oneDNN's AMX kernels on the same threads. Needs a CPU with AMX (the reason is given
+Checked against float32 matmuls, against oneDNN's bits at decode sizes, and inside an engine against
+one without it. Needs a CPU with AMX (the reason is given
 where it has none).
 """
 
@@ -33,7 +33,7 @@ def test_every_row_count_and_column_remainder_matches_a_float32_matmul(rows, n, 
     torch.testing.assert_close(out.float(), want.bfloat16().float(), rtol=2 ** -7, atol=1e-3 * k ** 0.5)
 
 
-def test_it_gives_onednns_bits_and_takes_rows_with_a_stride():
+def test_at_decode_sizes_it_gives_onednns_bits_and_takes_rows_with_a_stride():
     weight = _bf16(576, 1536, seed=1)
     wide = _bf16(16, 2 * 1536, seed=2)
     x = wide[:, :1536]  # rows 2 x K apart, as a slice of a fused projection would be
@@ -48,7 +48,6 @@ def test_inputs_past_its_row_limit_go_to_onednn():
     packed = pack_weight(weight, 16)
     got = linear(x, weight, None, packed, pack_amx(weight))
     assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-    assert torch.equal(linear(x[:AMX_MAX_ROWS], weight, None, None, pack_amx(weight)), got[:AMX_MAX_ROWS])
 
 
 def test_shapes_it_cannot_tile_are_left_to_onednn_and_bad_calls_name_the_problem():
@@ -67,26 +66,22 @@ def test_shapes_it_cannot_tile_are_left_to_onednn_and_bad_calls_name_the_problem
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
-def test_an_engine_decodes_the_same_tokens_with_and_without_it(tmp_path, monkeypatch, enforce_eager):
-    """Prefill steps run oneDNN's AMX GEMM and decode steps this kernel, on the same threads."""
+def test_an_engine_agrees_with_and_without_it(tmp_path, monkeypatch, enforce_eager):
+    """Greedy paths and logprobs of tests/test_gpu_engine.py's prompts (2-280 tokens) agree with an engine
+    that runs oneDNN only. Past 16 rows oneDNN splits K its own way, so a last bit may differ: the paths
+    may part at a near-tie, as two bf16 backends may."""
     import engine.runner
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from tests.factories import make_model_dir
+    from tests.test_gpu_engine import assert_bf16_paths_agree, greedy_logprobs
 
     path = make_model_dir(tmp_path, "llama", seed=3, with_tokenizer=False, hidden=128, heads=8, kv_heads=2)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(20 + 9 * i)]} for i in range(6)]
-
-    def greedy(llm):
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-
-    kw = dict(device="cpu", dtype="bfloat16", block_size=16, num_kv_blocks=64, max_num_seqs=6,
-              enforce_eager=enforce_eager)
+    kw = dict(device="cpu", dtype="bfloat16", block_size=16, num_kv_blocks=256, enforce_eager=enforce_eager)
     llm = LLM(str(path), **kw)
     layer = llm.engine.runner.model.layers[0]
     assert layer.mlp.gate_up_proj.amx is not None and layer.self_attn.o_proj.amx is not None
-    with_amx = greedy(llm)
+    with_amx = greedy_logprobs(llm)
     monkeypatch.setattr(engine.runner, "amx_supported", lambda device, dtype: False)
     without = LLM(str(path), **kw)
     assert without.engine.runner.model.layers[0].mlp.gate_up_proj.amx is None
-    assert with_amx == greedy(without)
+    assert_bf16_paths_agree(with_amx, greedy_logprobs(without))
