@@ -158,8 +158,11 @@ void score_row(const float* qf, const T* k_cache, const int32_t* blocks, int64_t
     const T* key = k_cache + blocks[b] * s.block + kv_head * s.head;
     if (b + 1 < nblocks) prefetch_block(k_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
     const int64_t n = std::min(bs, len - b * bs);
+    // Whole vectors, the request's last keys included when the block has room: the lanes past n read
+    // slots of its own block (whatever they hold), whose scores attend_row overwrites before the softmax.
+    const int64_t whole = std::min(bs, (n + W - 1) / W * W) / W * W;
     int64_t o = 0;
-    for (; o + W <= n; o += W) {
+    for (; o < whole; o += W) {
       keys[ready] = key + o;
       outs[ready] = scores + b * bs + o;
       if (++ready == V) {
@@ -167,18 +170,7 @@ void score_row(const float* qf, const T* k_cache, const int32_t* blocks, int64_t
         ready = 0;
       }
     }
-    // A request's last keys as a whole vector when the block has room: the lanes past n read slots
-    // of its own block (whatever they hold), whose scores attend_row overwrites before the softmax.
-    if (o < n && o + W <= bs) {
-      keys[ready] = key + o;
-      outs[ready] = scores + b * bs + o;
-      if (++ready == V) {
-        score_vectors<G, V>(qf, keys, D, bs, outs, ld);
-        ready = 0;
-      }
-    } else if (o < n) {
-      score_partial(qf, key + o, n - o, G, D, bs, scores + b * bs + o, ld);
-    }
+    if (o < n) score_partial(qf, key + o, n - o, G, D, bs, scores + b * bs + o, ld);
   }
   for (int v = 0; v < ready; ++v) score_vectors<G, 1>(qf, keys + v, D, bs, outs + v, ld);
 }
