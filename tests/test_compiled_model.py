@@ -48,6 +48,9 @@ def test_compiled_engine_gives_hf_greedy_tokens_and_a_cached_compile_no_stale_we
     llm = LLM(str(first), **OPTIONS)
     runner = llm.engine.runner
     assert runner.compiled is not None and runner.compile_s > 0
+    native = compiled.native_packed_linear()  # the kernel library's layer op; None without a compiler
+    assert runner.compiled.packed_layers and all(
+        layer.packed_op is (native or torch.ops.slotserve.packed_linear) for layer in runner.compiled.packed_layers)
     assert _greedy(llm) == want_first
     # Same shapes, so the same graphs: the second engine's compile finds them in the cache.
     llm2 = LLM(str(second), **OPTIONS)
@@ -81,6 +84,38 @@ def test_captured_decode_inputs_reach_the_compiled_model_as_eager_steps_do(tiny_
         assert _generate(llm, LONG) == want and used
         variants.append(len(_debug_get_cache_entry_list(code)))
     assert variants[1] - variants[0] <= 2 and variants[2] == variants[1], variants
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_librarys_layer_op_runs_the_bound_layers_as_eager_does_on_its_own_thread(dtype):
+    """``slotserve_cpu::packed_linear``, what the compiled graph calls for a layer: with an AMX copy or
+    without, either side of AMX_MAX_ROWS, with a bias or not, it gives ``layers.linear``'s bits; the
+    table of layers a step binds belongs to the binding thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.cpu_kernels import amx_linear_problem, compiler_problem
+    from engine.model.layers import AMX_MAX_ROWS, cpu_prepack_supported, linear, pack_amx, pack_weight
+
+    if compiler_problem() is not None:
+        pytest.skip(f"no CPU kernel library here: {compiler_problem()}")
+    if not cpu_prepack_supported(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN does not prepack {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(64, 96, generator=gen).to(dtype) for _ in range(2)]
+    bias = torch.randn(64, generator=gen).to(dtype)
+    amx = pack_amx(weights[0]) if dtype == torch.bfloat16 and amx_linear_problem() is None else None
+    layers = [(amx, pack_weight(weights[0], 16), None), (None, pack_weight(weights[1], 16), bias)]
+    op = compiled.native_packed_linear()
+    torch.ops.slotserve_cpu.bind_packed_layers(*map(list, zip(*layers)), AMX_MAX_ROWS)
+    for rows in (3, AMX_MAX_ROWS + 1):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        for index, (amx_weight, packed, layer_bias) in enumerate(layers):
+            for with_bias in (True, False):
+                want = linear(x, weights[index], layer_bias if with_bias else None, packed, amx_weight)
+                assert torch.equal(op(x, index, 64, with_bias), want), (rows, index, with_bias)
+    with ThreadPoolExecutor(1) as pool:
+        error = pool.submit(op, x, 0, 64, False).exception()
+    assert isinstance(error, RuntimeError) and "layer 0 is not bound on this thread" in str(error)
 
 
 def test_compiled_ops_outside_a_step_fail_clearly():

@@ -10,16 +10,21 @@
 //
 // Weights are packed once (engine/model/layers.py, pack_amx) as [N/16, K/32, 16, 16, 2]: for each
 // 16-column block, K/32 tiles of 16 rows of K-pairs x 16 columns, the layout TDPBF16PS reads, one
-// contiguous run per block that the prefetcher streams. Threads split the column blocks; each
-// thread loads its tile configuration and releases it when done, so oneDNN's own AMX kernels on
-// the same threads configure theirs afresh.
+// contiguous run per block that the prefetcher streams. Threads take groups of column blocks as
+// they finish the last; each thread loads its tile configuration and releases it when done, so
+// oneDNN's own AMX kernels on the same threads configure theirs afresh.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
@@ -138,10 +143,17 @@ void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) 
   const int64_t blocks = n / kBlockN, k_tiles = k / kTileK, ldx = x.stride(0), ldo = out.stride(0);
   for (int64_t p0 = 0; p0 < m; p0 += kPanelRows) {
     const int64_t p1 = std::min(m, p0 + kPanelRows);
-    at::parallel_for(0, blocks, kGroup, [&](int64_t begin, int64_t end) {
+    // Column groups are handed out one at a time. With a static split, a decode step's profile had the
+    // main thread in this loop ~40 % longer than the other (which waited): whichever core is busier
+    // with other work sets the pace. A group (64 columns, one contiguous run of weights) is long
+    // enough to stream.
+    const int64_t groups = (blocks + kGroup - 1) / kGroup;
+#pragma omp parallel num_threads(std::min<int64_t>(at::get_num_threads(), groups))
+    {
       int tile_rows = 0;
-      for (int64_t nb = begin; nb < end; nb += kGroup) {
-        const int64_t group = std::min<int64_t>(kGroup, end - nb);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t nb = g * kGroup, group = std::min<int64_t>(kGroup, blocks - nb);
         for (int64_t r0 = p0; r0 < p1; r0 += 16) {
           const int rows = static_cast<int>(std::min<int64_t>(16, p1 - r0));
           if (rows != tile_rows) {
@@ -158,10 +170,59 @@ void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) 
           }
         }
       }
-      _tile_release();
-    });
+      if (tile_rows) _tile_release();
+    }
   }
 #endif
+}
+
+// The compiled decoder's linear layers (engine/model/compiled.py). The graph names each layer by
+// its index; the running step binds the index -> weights table once, on its own thread, so one
+// layer call is a single dispatch to C++ rather than a Python function (~15 us a call, ~120 calls
+// a decode step). It runs what engine/model/layers.py:linear runs eagerly: AMX tiles up to
+// amx_max_rows rows where a layer has an AMX copy, oneDNN's prepacked GEMM otherwise.
+struct PackedLayer {
+  std::optional<at::Tensor> amx;
+  at::Tensor packed;
+  std::optional<at::Tensor> bias;
+};
+
+struct StepLayers {
+  std::vector<PackedLayer> layers;
+  int64_t amx_max_rows = 0;
+};
+
+thread_local StepLayers step_layers;
+
+void bind_packed_layers(const std::vector<std::optional<at::Tensor>>& amx, const std::vector<at::Tensor>& packed,
+                        const std::vector<std::optional<at::Tensor>>& bias, int64_t amx_max_rows) {
+  TORCH_CHECK(amx.size() == packed.size() && bias.size() == packed.size(),
+              "bind_packed_layers: amx, packed and bias need one entry per layer, got ", amx.size(), ", ",
+              packed.size(), " and ", bias.size());
+  step_layers.layers.clear();
+  for (size_t i = 0; i < packed.size(); ++i) step_layers.layers.push_back({amx[i], packed[i], bias[i]});
+  step_layers.amx_max_rows = amx_max_rows;
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const PackedLayer& layer, bool with_bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, layer.packed, with_bias ? c10::IValue(layer.bias) : c10::IValue(),
+                                 std::string("none"), c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor packed_linear(const at::Tensor& x, int64_t index, int64_t out_features, bool with_bias) {
+  const auto& table = step_layers.layers;
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(table.size()), "packed_linear: layer ", index,
+              " is not bound on this thread (", table.size(), " layers bound); the compiled decoder binds them "
+              "for each step");
+  const PackedLayer& layer = table[index];
+  if (!layer.amx || x.size(0) > step_layers.amx_max_rows) return onednn_linear(x, layer, with_bias);
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  amx_linear(out, x.stride(1) == 1 ? x : x.contiguous(), *layer.amx);
+  if (with_bias && layer.bias) out.add_(*layer.bias);
+  return out;
 }
 
 }  // namespace
@@ -169,12 +230,16 @@ void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) 
 TORCH_LIBRARY_FRAGMENT(slotserve_cpu, m) {
   m.def("amx_ready() -> bool");
   m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+  m.def("bind_packed_layers(Tensor?[] amx, Tensor[] packed, Tensor?[] bias, int amx_max_rows) -> ()");
+  m.def("packed_linear(Tensor x, int index, int out_features, bool with_bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(slotserve_cpu, CPU, m) {
   m.impl("amx_linear", &amx_linear);
+  m.impl("packed_linear", &packed_linear);
 }
 
 TORCH_LIBRARY_IMPL(slotserve_cpu, CompositeExplicitAutograd, m) {
   m.impl("amx_ready", &amx_ready);
+  m.impl("bind_packed_layers", &bind_packed_layers);
 }

@@ -110,6 +110,8 @@ class LinearBase(nn.Module):
     rows; a second copy beside ``packed``, which runs larger ones."""
     packed_index: int = -1
     """This layer's number in the compiled model's list of packed layers (engine.model.compiled)."""
+    packed_op = None
+    """The op the compiled graph calls with ``packed_index`` (set by engine.model.compiled)."""
     lora = None
     """Every adapter slot's weights for this projection (engine.lora.layers.LoRAWeights), if served."""
 
@@ -133,7 +135,7 @@ class LinearBase(nn.Module):
     def _linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         if torch.compiler.is_compiling():
             if self.packed is not None:  # a packed oneDNN weight cannot be traced: the graph names the layer
-                out = torch.ops.slotserve.packed_linear(x, self.packed_index, self.packed.shape[0], with_bias)
+                out = self.packed_op(x, self.packed_index, self.packed.shape[0], with_bias)
             else:
                 out = linear(x, self.weight, self.bias if with_bias else None, None)
             if self.lora is not None:
