@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations of every system (auto: the engine's own choice: bfloat16 on cuda "
                         "and on CPUs with AVX-512 BF16 or AMX, else float32)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: slotserve's int8 KV cache and vLLM's 8-bit one (fp8); HF systems keep theirs in "
+                        "--dtype (default auto: the model's dtype)")
     p.add_argument("--num-requests", type=_positive_int, default=None, help="override the preset's request count")
     p.add_argument("--arrival", default=None, help="'burst' (all at t=0, default) or 'poisson:RATE' requests/s")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -81,7 +84,8 @@ def _settings(args, model_dir: Path, max_seq_len: int) -> BenchSettings:
     return BenchSettings(str(model_dir), max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                          num_kv_blocks=blocks, threads=args.threads, dtype=_dtype(args), device=args.device,
-                         enable_prefix_caching=not args.no_prefix_caching, vllm_python=args.vllm_python)
+                         enable_prefix_caching=not args.no_prefix_caching, vllm_python=args.vllm_python,
+                         kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _dtype(args) -> str:

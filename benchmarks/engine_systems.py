@@ -22,7 +22,8 @@ def make_engine(settings: BenchSettings, scheduling: str = "continuous", profile
         max_num_batched_tokens=max(settings.max_num_batched_tokens, slots),
         block_size=settings.block_size, num_kv_blocks=num_kv_blocks or settings.num_kv_blocks,
         enable_prefix_caching=settings.enable_prefix_caching, scheduling=scheduling, dtype=settings.dtype,
-        device=settings.device, max_model_len=settings.max_model_len, profile=profile, **options)
+        device=settings.device, max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
+        profile=profile, **options)
     return LLMEngine(config)
 
 

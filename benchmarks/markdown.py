@@ -17,7 +17,9 @@ def format_markdown(results: dict) -> str:
     lines = [
         f"Workload `{w['name']}`, {w['num_requests']} requests, arrivals {w['arrival']}, seed {w['seed']}; "
         f"model {results['model']}, {st['dtype']}, torch threads {st['threads']}, {st['max_num_seqs']} slots, "
-        f"KV {st['num_kv_blocks']} blocks x {st['block_size']} tokens. {env['cpu']} ({env['cpu_count']} cores), "
+        f"KV {st['num_kv_blocks']} blocks x {st['block_size']} tokens"
+        f"{' (int8; vLLM fp8)' if st.get('kv_cache_dtype') == 'int8' else ''}. "
+        f"{env['cpu']} ({env['cpu_count']} cores), "
         f"torch {env['torch']}, transformers {env['transformers']}, commit {(env.get('git_commit') or '-')[:10]}"
         f"{' (dirty)' if env.get('git_dirty') else ''}, {env['date_utc']}. Host CPU busy with other work before "
         f"each system: {', '.join(busy) or '-'}.", "",

@@ -45,7 +45,7 @@ def engine_options(settings: BenchSettings) -> dict:
             "block_size": settings.block_size, "num_kv_blocks": settings.num_kv_blocks,
             "enable_prefix_caching": settings.enable_prefix_caching, "scheduling": "continuous",
             "dtype": settings.dtype, "device": settings.device, "max_model_len": settings.max_model_len,
-            "num_threads": settings.threads}
+            "kv_cache_dtype": settings.kv_cache_dtype, "num_threads": settings.threads}
 
 
 def with_tokenizer(model_dir: str, scratch: Path) -> str:

@@ -4,6 +4,9 @@
 #
 #   VLLM_VENV=/tmp/peer/venv bash benchmarks/served_vs_vllm.sh [extra `vllm serve` args, e.g. --dtype float32]
 #
+# SLOTSERVE_CONFIG: the Serve config `slotserve serve` runs (default its own, configs/local-cpu.yaml);
+# e.g. a copy with `kv_cache_dtype: int8` under `engine:`, against `--kv-cache-dtype fp8` for vLLM.
+#
 # VLLM_VENV: a venv with vLLM's CPU build (../shared/peers/setup-vllm-cpu.sh makes one). MODEL_DIR:
 # default the converted default model. Each server starts at its defaults (plus the extra args
 # for vLLM) and is stopped before the next one starts.
@@ -51,7 +54,7 @@ stop $pid
 
 run_slotserve() {
 start=$(date +%s)
-slotserve serve >"$OUT/slotserve.log" 2>&1 &
+slotserve serve ${SLOTSERVE_CONFIG:+--config "$SLOTSERVE_CONFIG"} >"$OUT/slotserve.log" 2>&1 &
 pid=$!
 wait_ready http://127.0.0.1:8000 smollm2-135m 900 $pid
 echo "slotserve serve gave its first token $(( $(date +%s) - start )) s after its start" | tee "$OUT/slotserve-ready.txt"

@@ -29,6 +29,9 @@ class BenchSettings:
     device: str = "cpu"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    """``int8``: slotserve's int8 KV cache, and vLLM's 8-bit one (``fp8``) for the ``vllm`` system; HF
+    systems keep theirs in ``dtype``."""
     vllm_python: str | None = None
     """Interpreter of a venv with vLLM, for the ``vllm`` system (benchmarks.vllm_peer)."""
 
@@ -37,6 +40,8 @@ class BenchSettings:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -23,7 +23,8 @@ def _engine(job):
     block_size = s["block_size"] if s["block_size"] % 32 == 0 else None
     llm = LLM(model=s["model_dir"], dtype=s["dtype"], max_num_seqs=s["max_num_seqs"],
               max_num_batched_tokens=s["max_num_batched_tokens"], block_size=block_size,
-              enable_prefix_caching=s["enable_prefix_caching"], max_model_len=job["max_model_len"], seed=0)
+              enable_prefix_caching=s["enable_prefix_caching"], max_model_len=job["max_model_len"], seed=0,
+              kv_cache_dtype="fp8" if s.get("kv_cache_dtype") == "int8" else "auto")
     return llm.llm_engine
 
 

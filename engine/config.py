@@ -28,6 +28,7 @@ def cache_dir(kind: str) -> Path:
 
 SCHEDULING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "varlen", "flash", "fa3", "triton")
 
 
@@ -61,6 +62,11 @@ class CacheConfig:
     """Size of the block pool. None: derived from ``kv_cache_memory_gb`` (or a default)."""
     kv_cache_memory_gb: Float | None = Field(None, gt=0)
     """Memory budget for the pool when ``num_kv_blocks`` is not given."""
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = "auto"
+    """``auto``: K/V in the model's dtype. ``int8``: quantized with a float32 scale per token and head,
+    on the ``cpu`` attention backend: about half the bytes of bfloat16, so twice the tokens in one
+    memory budget and decode steps that read half as much (vLLM's ``--kv-cache-dtype fp8`` is its
+    8-bit counterpart, with a scale per layer)."""
     enable_prefix_caching: Bool = True
     gpu_memory_utilization: Float = Field(0.90, gt=0, le=1)
     """On CUDA without ``num_kv_blocks``/``kv_cache_memory_gb``: the share of the GPU's memory

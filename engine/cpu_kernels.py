@@ -1,4 +1,4 @@
-"""The engine's C++ CPU kernels (engine/csrc): paged attention, K/V writes, AMX linear layers.
+"""The engine's C++ CPU kernels (engine/csrc): paged attention, K/V writes (int8 too), AMX linear layers.
 
 The library is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` into
 ``$SLOTSERVE_CACHE/kernels`` (default ``~/.cache/slotserve/kernels``) the first time a process
@@ -25,7 +25,9 @@ from engine.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "amx_linear.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "kv_write.cpp", "amx_linear.cpp"))
+HEADERS = (CSRC / "kv_layout.h", CSRC / "score_int8.h", CSRC / "vec.h")
 # -ffast-math at compile time only: it lets the compiler vectorize reductions and expf; linked
 # without it, the library does not switch the process to flush-to-zero.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -42,7 +44,7 @@ def kernel_dir() -> Path:
 
 def kernel_name() -> str:
     digest = hashlib.sha256()
-    sources = (source.read_bytes() for source in SOURCES)
+    sources = (source.read_bytes() for source in SOURCES + HEADERS)
     for part in (*sources, torch.__version__.encode(), " ".join(CFLAGS + LDFLAGS).encode(),
                  _cpu_flags().encode()):
         digest.update(part)

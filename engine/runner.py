@@ -70,7 +70,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         heads = self.group.heads(arch.num_heads, arch.num_kv_heads)
         self.backend = create_backend(config.attention_backend, self.device, heads.q_count, heads.kv_count,
-                                      arch.head_dim, self.block_size, self.dtype)
+                                      arch.head_dim, self.block_size, self.dtype, config.cache.kv_cache_dtype)
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.lora: LoRAModel | None = None

@@ -88,7 +88,8 @@ def test_bad_workload_inputs_are_rejected():
     assert parse_systems(None) == list(DEFAULT_SYSTEMS)
 
 
-@pytest.mark.parametrize("args", [["--num-requests", "0"], ["--threads", "two"], ["--workload", "huge"]])
+@pytest.mark.parametrize("args", [["--num-requests", "0"], ["--threads", "two"], ["--workload", "huge"],
+                                  ["--kv-cache-dtype", "fp8"]])
 def test_cli_rejects_bad_arguments_before_doing_any_work(args, capsys):
     from benchmarks.__main__ import main
 
@@ -242,8 +243,13 @@ def test_served_engine_gets_the_in_process_engine_options(tmp_path):
     from benchmarks.systems import BenchSettings
     from engine.config import EngineConfig
 
-    settings = BenchSettings(str(make_tiny_model_dir(tmp_path / "m")), max_num_seqs=8, num_kv_blocks=100, threads=1)
+    from engine.cpu_features import cpu_flags
+
+    kv = "int8" if "avx512_vnni" in cpu_flags() else "auto"  # what --kv-cache-dtype int8 needs
+    settings = BenchSettings(str(make_tiny_model_dir(tmp_path / "m")), max_num_seqs=8, num_kv_blocks=100, threads=1,
+                             kv_cache_dtype=kv)
     served = EngineConfig.from_options(settings.model_dir, **engine_options(settings))
+    assert served.cache.kv_cache_dtype == kv
     assert served.num_threads == 1
     # The in-process engine takes its thread count from the worker process instead.
     assert dataclasses.replace(served, num_threads=None) == make_engine(settings).config

@@ -13,6 +13,9 @@ Every backend reads K/V blocks in place: none gathers a request's context per la
 ``auto`` takes, on CUDA, the first of fa3, flash, varlen, triton that can run on the dtype
 and block size (FlashAttention kernels are float16/bfloat16 only); on CPU, the ``cpu`` kernel where a C++
 compiler can build it; else torch. The choice and why are logged.
+
+``kv_cache_dtype="int8"`` (K/V quantized per token and head, engine/csrc/kv_layout.h) is read by
+the ``cpu`` backend only; asking for it elsewhere is an error that says so.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Callable
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import KV_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 HALF = (torch.float16, torch.bfloat16)
@@ -142,9 +146,30 @@ def backend_problem(name: str, device: torch.device, dtype: torch.dtype, block_s
     raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
 
 
+def int8_problem(block_size: int) -> str | None:
+    """Why the cpu kernel cannot read an int8 cache here (beyond what it needs anyway), or None."""
+    from engine.cpu_features import cpu_flags
+    if "avx512_vnni" not in cpu_flags():
+        return "the CPU lacks AVX-512 VNNI (int8 dot products)"
+    if block_size % 16:
+        return f"block_size must be a multiple of 16 (keys are scored 16 at a time), got {block_size}"
+    return None
+
+
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
-                    head_dim: int) -> tuple[str, str]:
+                    head_dim: int, kv_cache_dtype: str = "auto") -> tuple[str, str]:
     """(backend name, why it was chosen). Raises ValueError when ``name`` cannot run here."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "int8":
+        if name not in ("auto", "cpu"):
+            raise ValueError(f"kv_cache_dtype 'int8' is read by the cpu attention backend only, not {name!r}")
+        problem = backend_problem("cpu", device, dtype, block_size, head_dim) or int8_problem(block_size)
+        if problem is not None:
+            raise ValueError(f"kv_cache_dtype 'int8' needs the cpu attention backend, which cannot run here: "
+                             f"{problem}. It needs {BACKENDS['cpu'].needs}, AVX-512 VNNI and block_size a "
+                             f"multiple of 16")
+        return "cpu", "reads the int8 paged cache in place"
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
@@ -170,13 +195,15 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_s
 
 
 def create_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
-                   block_size: int, dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    resolved, why = resolve_backend(name, device, dtype, block_size, head_dim)
-    backend = BACKENDS[resolved].factory()(num_heads, num_kv_heads, head_dim, block_size)
-    logger.info("attention backend: %s (asked: %s; %s, %s, block_size %d): %s", resolved, name, device,
-                str(dtype).removeprefix("torch."), block_size, why)
+                   block_size: int, dtype: torch.dtype = torch.float32,
+                   kv_cache_dtype: str = "auto") -> AttentionBackend:
+    resolved, why = resolve_backend(name, device, dtype, block_size, head_dim, kv_cache_dtype)
+    extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}
+    backend = BACKENDS[resolved].factory()(num_heads, num_kv_heads, head_dim, block_size, **extra)
+    logger.info("attention backend: %s (asked: %s; %s, %s, KV cache %s, block_size %d): %s", resolved, name, device,
+                str(dtype).removeprefix("torch."), kv_cache_dtype, block_size, why)
     return backend
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "backend_problem", "create_backend",
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "KV_CACHE_DTYPES", "backend_problem", "create_backend",
            "resolve_backend"]

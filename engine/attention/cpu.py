@@ -12,6 +12,14 @@ fused CPU flash-attention (SDPA, causal), one call per request: they are compute
 long chunks after a prefix, which get their context copied out of the cache and go to SDPA too.
 The same library writes each step's K/V into its slots: ``index_put_`` on the head-major view
 cost ~10x the kernel's time.
+
+``kv_cache_dtype="int8"``: each head's block holds its values as int8 and a float32 scale per token
+(``[num_blocks, kv_heads, block_size * (head_dim + 4)]``, engine/csrc/kv_layout.h): 68 bytes a
+token and head at head_dim 64 against 128 in bfloat16, so a decode step reads about half the
+bytes and the pool holds nearly twice the tokens. Scores are int8 dot products (AVX-512 VNNI,
+engine/csrc/score_int8.h) of the keys and the query quantized per head. First chunks still attend
+to their own K/V unquantized (as vLLM's 8-bit caches do); everything read back from the cache is
+the quantized value.
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.cpu_kernels import load_kernel
+
+SCALE_BYTES = 4
+"""An int8 cache's float32 scale per token and head (engine/csrc/kv_layout.h)."""
 
 SDPA_MIN_ROWS = 48
 """Chunks after a cached prefix with at least this many query rows go to torch's fused kernel, not
@@ -32,17 +43,30 @@ class CpuAttentionBackend(AttentionBackend):
     supports_cuda_graphs = False
     graph_context_buckets = False
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, block_size):
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, kv_cache_dtype="auto"):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         ops = load_kernel()
         self._kernel, self._write = ops.paged_attention, ops.write_kv
+        self.quantized = kv_cache_dtype == "int8"
 
     def cache_shape(self, num_blocks):
+        if self.quantized:  # K and V alike
+            return num_blocks, self.num_kv_heads, self.block_size * (self.head_dim + SCALE_BYTES)
         return num_blocks, self.num_kv_heads, self.block_size, self.head_dim
 
     def allocate_cache(self, num_blocks, dtype, device):
+        if self.quantized:
+            return tuple(torch.zeros(self.cache_shape(num_blocks), dtype=torch.int8, device=device) for _ in "kv")
         k = torch.zeros(num_blocks, self.num_kv_heads, self.head_dim, self.block_size, dtype=dtype, device=device)
         return k, torch.zeros(self.cache_shape(num_blocks), dtype=dtype, device=device)
+
+    def token_bytes(self, dtype):
+        if self.quantized:
+            return 2 * self.num_kv_heads * (self.head_dim + SCALE_BYTES)
+        return super().token_bytes(dtype)
+
+    def bytes_per_block(self, dtype):
+        return self.block_size * self.token_bytes(dtype)
 
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         self._write(*kv_cache, k, v, meta.slot_mapping)
@@ -85,9 +109,23 @@ class CpuAttentionBackend(AttentionBackend):
         kernel with a causal mask aligned bottom-right. The paged kernel scores one query row at a
         time, which a long chunk makes compute-bound (400 rows over 1,900 keys: ~20 -> ~7 ms a layer)."""
         n = q.shape[0]
-        table = blocks[:-(-length // self.block_size)].long()
-        # K blocks are [kv_heads, head_dim, block_size], V blocks [kv_heads, block_size, head_dim].
-        keys = k_cache[table].permute(0, 3, 1, 2).reshape(-1, self.num_kv_heads, self.head_dim)[:length]
-        values = v_cache[table].permute(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:length]
+        keys, values = self.read_context(k_cache, v_cache, blocks, length, q.dtype)
         mask = torch.ones(n, length, dtype=torch.bool).tril(diagonal=length - n)
         return self._sdpa(q, keys, values, mask)
+
+    def read_context(self, k_cache, v_cache, blocks, length: int, dtype: torch.dtype):
+        """A request's first ``length`` cached keys and values, ``[length, kv_heads, head_dim]`` each in
+        ``dtype`` (an int8 cache's values times their tokens' scales)."""
+        table = blocks[:-(-length // self.block_size)].long()
+        k_blocks, v_blocks = k_cache[table], v_cache[table]
+        if self.quantized:
+            n, heads, d, bs = len(table), self.num_kv_heads, self.head_dim, self.block_size
+            k_scale, v_scale = (b[..., d * bs:].contiguous().view(torch.float32) for b in (k_blocks, v_blocks))
+            # K values are [head_dim / 4, block_size, 4] of int8 + 128: back to [head_dim, block_size]
+            keys = k_blocks[..., :d * bs].view(torch.uint8).view(n, heads, d // 4, bs, 4).transpose(3, 4)
+            k_blocks = (keys.reshape(n, heads, d, bs).float() - 128) * k_scale[:, :, None, :]
+            v_blocks = v_blocks[..., :d * bs].view(n, heads, bs, d).float() * v_scale[..., None]
+        # K blocks are [kv_heads, head_dim, block_size], V blocks [kv_heads, block_size, head_dim].
+        keys = k_blocks.permute(0, 3, 1, 2).reshape(-1, self.num_kv_heads, self.head_dim)[:length]
+        values = v_blocks.permute(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:length]
+        return keys.to(dtype), values.to(dtype)

@@ -6,12 +6,15 @@
 // (keys transposed, so one vector holds a dimension of W consecutive keys and a score needs no
 // horizontal sum), V [num_blocks, kv_heads, block_size, head_dim]; one head's block is one
 // contiguous run that the hardware prefetcher streams. One work item is (query row, KV head):
-// the G query heads sharing that KV head read each key and value once. Scores stay in fp32
-// whatever the cache dtype.
+// the G query heads sharing that KV head read each key and value once. The softmax is in fp32
+// whatever the cache dtype. An int8 cache (kv_layout.h) holds about half the bytes of a bfloat16
+// one: its keys are scored by int8 dot products (score_int8.h), and its per-token scales multiply
+// each score and each probability, so the value loop only widens int8 to float32, as it widens
+// bfloat16.
 //
 // Built on first use by engine/cpu_kernels.py with -O3 -march=native. Scores and values use
-// GCC vector types of W floats (the widest the build's target has), so no loop depends on the
-// auto-vectorizer.
+// GCC vector types of W floats (vec.h, the widest the build's target has), so no loop depends on
+// the auto-vectorizer.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,87 +29,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "kv_layout.h"
+#include "score_int8.h"
+#include "vec.h"
 
 namespace {
 
-// GCC/Clang vector extensions: one source for AVX2 (8 lanes) and AVX-512 (16 lanes).
-#if defined(__AVX512F__)
-constexpr int64_t W = 16;
-#else
-constexpr int64_t W = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(W * sizeof(int32_t))));
-typedef uint32_t vuint __attribute__((vector_size(W * sizeof(uint32_t))));
-typedef uint16_t vhalf __attribute__((vector_size(W * sizeof(uint16_t))));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vfloat load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-#if defined(__AVX512F__)
-  // One 512-bit widening. GCC lowers __builtin_convertvector of 16 lanes to two 256-bit widenings and
-  // a lane insert (with or without -mprefer-vector-width=512): 6 instructions for every key and value
-  // vector loaded instead of 2.
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return reinterpret_cast<vfloat>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-#else
-  vhalf bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  vuint wide = __builtin_convertvector(bits, vuint) << 16;
-  vfloat v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-#endif
-}
-
-inline vfloat load(const c10::Half* p) {
-  float tmp[W];
-  for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
-  return load(tmp);
-}
-
-inline float hsum(vfloat v) {
-  float total = 0.f;
-  for (int64_t i = 0; i < W; ++i) total += v[i];
-  return total;
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the row maximum): 2^n * p(r), r = x - n ln 2.
-inline vfloat exp_nonpositive(vfloat x) {
-  const vfloat lo = vfloat{} - 87.f;
-  x = x < lo ? lo : x;
-  vint n = __builtin_convertvector(x * 1.44269504f - 0.5f, vint);  // round to nearest (x <= 0)
-  vfloat nf = __builtin_convertvector(n, vfloat);
-  vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vfloat p = vfloat{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  vint bits = (n + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-struct Shapes {
-  int64_t heads, kv_heads, group, head_dim, block_size, table_width;
-  int64_t q_row, block, head;  // strides, in elements (the same for K and V)
-};
+using namespace slotserve;
 
 // The first n < W lanes of p, zeros after: a partial vector never reads past its block.
 template <typename T>
@@ -148,14 +77,6 @@ inline void score_partial(const float* qf, const T* key, int64_t n, int64_t G, i
   }
 }
 
-// The next block lives anywhere in the pool: the hardware prefetcher cannot guess the jump.
-template <typename T>
-inline void prefetch_block(const T* first, const Shapes& s) {
-  const char* p = reinterpret_cast<const char*>(first);
-  const int64_t bytes = s.head * static_cast<int64_t>(sizeof(T));
-  for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(p + byte, 0, 1);
-}
-
 // Scores of G query heads of one row over its first `len` keys (one KV head), in token order:
 // scores[g * ld + t]. Full key vectors go V at a time, whichever blocks they come from.
 template <int G, typename T>
@@ -185,22 +106,6 @@ void score_row(const float* qf, const T* k_cache, const int32_t* blocks, int64_t
     if (o < n) score_partial(qf, key + o, n - o, G, D, bs, scores + b * bs + o, ld);
   }
   for (int v = 0; v < ready; ++v) score_vectors<G, 1>(qf, keys + v, D, bs, outs + v, ld);
-}
-
-// Calls f(std::integral_constant<int, G>{}) for G = g, with the code compiled for every G from 1
-// to 8 (register-resident accumulators need G at compile time); g is at most 8.
-template <typename F>
-inline void with_group(int64_t g, F&& f) {
-  switch (g) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
 }
 
 // score_row for the row's group size, 8 query heads at a time.
@@ -263,15 +168,67 @@ void values_row_any(const float* p, const T* v_cache, const int32_t* blocks, int
   }
 }
 
-// G query heads of one row over the first `len` tokens of one request, one KV head.
-// Scratch: qf [G, head_dim], scores [G, len rounded up to W], acc [G, head_dim / W], inv [G].
-template <typename T>
-void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t kv_head,
-                int64_t len, float scale, const Shapes& s, float* qf, float* scores, vfloat* acc, float* inv,
-                T* out) {
+// An int8 cache: multiplies the G rows of per-token numbers (scores or probabilities, token order,
+// ld apart) by their tokens' scales, block by block.
+inline void apply_token_scales(const int8_t* cache, const int32_t* blocks, int64_t kv_head, int64_t len,
+                               const Shapes& s, float* rows, int64_t ld) {
+  const int64_t bs = s.block_size;
+  for (int64_t b = 0; b * bs < len; ++b) {
+    const float* scale = slotserve::token_scales(cache + blocks[b] * s.block + kv_head * s.head, s.head_dim, bs);
+    const int64_t n = std::min(bs, len - b * bs);
+    for (int64_t g = 0; g < s.group; ++g) {
+      float* row = rows + g * ld + b * bs;
+      for (int64_t i = 0; i < n; ++i) row[i] *= scale[i];
+    }
+  }
+}
+
+// An int8 cache: fetches the value scales of a row's blocks while the softmax runs. They are the last
+// lines of each V block, read (by apply_token_scales) before the values: fetched on demand, each one
+// was a miss in a short loop, ~20 % of the kernel's own time outside the scoring and value loops.
+inline void prefetch_value_scales(const int8_t* v_cache, const int32_t* blocks, int64_t kv_head, int64_t len,
+                                  const Shapes& s) {
+  const int64_t bs = s.block_size;
+  for (int64_t b = 0; b * bs < len; ++b) {
+    const char* scales = reinterpret_cast<const char*>(
+        slotserve::token_scales(v_cache + blocks[b] * s.block + kv_head * s.head, s.head_dim, bs));
+    for (int64_t byte = 0; byte < bs * kScaleBytes; byte += 64) __builtin_prefetch(scales + byte, 0, 3);
+  }
+  prefetch_block(v_cache + blocks[0] * s.block + kv_head * s.head, s);
+}
+
+// One thread's working memory for attend_row, sized once a call for the step's longest row.
+struct Scratch {
+  std::vector<float> scores, qf, inv, q_scale;  // scores [G, longest rounded up to W], qf [G, D]
+  std::vector<vfloat> acc;                      // [G, D / W]
+  std::vector<int32_t> q_packed, q_offset;      // an int8 cache's quantized query (score_int8.h)
+
+  Scratch(int64_t G, int64_t D, int64_t longest)
+      : scores(G * ((longest + W - 1) / W * W)), qf(G * D), inv(G), q_scale(G), acc(G * D / W),
+        q_packed(G * D / kKeyGroup), q_offset(G) {}
+  QuantizedQuery query() { return {q_packed.data(), q_offset.data(), q_scale.data()}; }
+};
+
+// G query heads of one row over the first `len` tokens of one request, one KV head; the cache holds
+// T (as q and out do) or int8.
+template <typename T, typename C>
+void attend_row(const T* q, const C* k_cache, const C* v_cache, const int32_t* blocks, int64_t kv_head,
+                int64_t len, float scale, const Shapes& s, Scratch& w, T* out) {
+  constexpr bool quantized = std::is_same_v<C, int8_t>;
   const int64_t G = s.group, D = s.head_dim, padded = (len + W - 1) / W * W;
+  float *qf = w.qf.data(), *scores = w.scores.data(), *inv = w.inv.data();
+  vfloat* acc = w.acc.data();
   for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-  score_row_any(qf, k_cache, blocks, kv_head, len, s, scores, padded);
+  if constexpr (quantized) {
+#if defined(__AVX512VNNI__)
+    quantize_query(qf, G, D, w.query());
+    score_row_int8_any(w.query(), k_cache, blocks, kv_head, len, s, scores, padded);
+    prefetch_value_scales(v_cache, blocks, kv_head, len, s);
+    apply_token_scales(k_cache, blocks, kv_head, len, s, scores, padded);
+#endif
+  } else {
+    score_row_any(qf, k_cache, blocks, kv_head, len, s, scores, padded);
+  }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * padded;
     for (int64_t t = len; t < padded; ++t) sg[t] = -1e30f;  // exp clamps it to ~0; never read after
@@ -290,6 +247,7 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
     }
     inv[g] = 1.f / hsum(total);  // applied to the G x head_dim outputs, not to len probabilities
   }
+  if constexpr (quantized) apply_token_scales(v_cache, blocks, kv_head, len, s, scores, padded);
   values_row_any(scores, v_cache, blocks, kv_head, len, s, padded, acc);
   for (int64_t g = 0; g < G; ++g) {
     float* row = reinterpret_cast<float*>(acc + g * (D / W));
@@ -298,12 +256,12 @@ void attend_row(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q, const at::Tensor& seqlens_k,
-                          const at::Tensor& block_table, double scale) {
+                          const at::Tensor& block_table, int64_t block_size, double scale) {
   const int64_t rows = q.size(0), batch = seqlens_k.size(0);
-  Shapes s{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2), k_cache.size(3),
+  Shapes s{q.size(1), k_cache.size(1), q.size(1) / k_cache.size(1), q.size(2), block_size,
            block_table.size(1), q.stride(0), k_cache.stride(0), k_cache.stride(1)};
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* kv_lens = seqlens_k.data_ptr<int32_t>();
@@ -320,28 +278,65 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     longest = std::max<int64_t>(longest, kv_lens[b]);
   }
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int64_t items = rows * s.kv_heads, G = s.group, D = s.head_dim;
   const float fscale = static_cast<float>(scale);
   // Dynamic schedule: rows differ in length (decodes come sorted longest first).
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> scratch(G * ((longest + W - 1) / W * W) + G * D + G);
-    std::vector<vfloat> acc(G * D / W);
-    float* scores = scratch.data();
-    float* qf = scores + G * ((longest + W - 1) / W * W);
-    float* inv = qf + G * D;
+    Scratch work(G, D, longest);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t row = item / s.kv_heads, h = item % s.kv_heads;
       const int64_t len = row_len[row];
       if (len <= 0) continue;
       const int32_t* blocks = table + row_request[row] * s.table_width;
-      attend_row(qp + row * s.q_row + h * G * D, kp, vp, blocks, h, len, fscale, s, qf, scores, acc.data(), inv,
+      attend_row(qp + row * s.q_row + h * G * D, kp, vp, blocks, h, len, fscale, s, work,
                  op + row * s.heads * D + h * G * D);
     }
+  }
+}
+
+// The cache's block size, after checking its layout against q: T caches K [blocks, kv_heads, head_dim,
+// block_size] and V [blocks, kv_heads, block_size, head_dim]; int8 caches [blocks, kv_heads,
+// block_size * (head_dim + 4)] both (kv_layout.h).
+int64_t checked_block_size(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const int64_t D = q.size(2);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == v_cache.size(1), "paged_attention: contiguous caches of one pool and head count");
+  TORCH_CHECK(q.size(1) % v_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv_heads");
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+                "paged_attention: int8 caches are [blocks, kv_heads, block_size * (head_dim + 4)], K and V alike");
+    TORCH_CHECK(k_cache.size(2) % (D + slotserve::kScaleBytes) == 0,
+                "paged_attention: head_dim must match (an int8 cache's last dimension is block_size * (head_dim + 4))");
+    const int64_t block_size = k_cache.size(2) / (D + slotserve::kScaleBytes);
+    TORCH_CHECK(block_size % 16 == 0 && D % kKeyGroup == 0,
+                "paged_attention: an int8 cache's block_size must be a multiple of 16, got ", block_size);
+    return block_size;
+  }
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
+              "paged_attention: k_cache [blocks, kv_heads, head_dim, block_size], "
+              "v_cache [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: q, out and the caches must share one dtype (or the caches be int8)");
+  TORCH_CHECK(k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
+              "paged_attention: K as V with its last two dimensions swapped");
+  TORCH_CHECK(D == v_cache.size(3), "paged_attention: head_dim must match");
+  return k_cache.size(3);
+}
+
+template <typename T>
+void dispatch_cache(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& cu_seqlens_q, const at::Tensor& seqlens_k, const at::Tensor& block_table,
+                    int64_t block_size, double scale) {
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(kInt8Scores, "paged_attention: int8 caches need a CPU with AVX-512 VNNI");
+    paged_attention_impl<T, int8_t>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, block_size, scale);
+  } else {
+    paged_attention_impl<T, T>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, block_size, scale);
   }
 }
 
@@ -349,18 +344,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      const at::Tensor& cu_seqlens_q, const at::Tensor& seqlens_k, const at::Tensor& block_table,
                      double scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: tensors must be on the CPU");
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "paged_attention: q/out [rows, heads, head_dim], k_cache [blocks, kv_heads, head_dim, block_size], "
-              "v_cache [blocks, kv_heads, block_size, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "paged_attention: q, out and the caches must share one dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0) &&
-                  k_cache.size(1) == v_cache.size(1) && k_cache.size(2) == v_cache.size(3) &&
-                  k_cache.size(3) == v_cache.size(2),
-              "paged_attention: contiguous caches, K as V with its last two dimensions swapped");
-  TORCH_CHECK(q.size(2) == v_cache.size(3) && q.size(1) % v_cache.size(1) == 0,
-              "paged_attention: head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "paged_attention: q and out are [rows, heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "paged_attention: q, out and the caches must share one dtype");
+  const int64_t block_size = checked_block_size(q, k_cache, v_cache);
   TORCH_CHECK(q.size(2) % W == 0, "paged_attention: head_dim must be a multiple of ", W, ", got ", q.size(2));
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q rows must be contiguous");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "paged_attention: out must be contiguous, q's shape");
@@ -373,67 +359,16 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
               "paged_attention: cu_seqlens_q has one entry more than seqlens_k, block_table a row per request");
   switch (q.scalar_type()) {
     case at::kFloat:
-      paged_attention_impl<float>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, scale);
+      dispatch_cache<float>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, block_size, scale);
       break;
     case at::kBFloat16:
-      paged_attention_impl<c10::BFloat16>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, scale);
+      dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, block_size, scale);
       break;
     case at::kHalf:
-      paged_attention_impl<c10::Half>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, scale);
+      dispatch_cache<c10::Half>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, block_size, scale);
       break;
     default:
       TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16, got ", q.scalar_type());
-  }
-}
-
-// The step's new K/V rows into their slots: V rows are copied whole, K rows scattered into
-// their block's transposed layout. Advanced indexing (index_put_) did the same at ~10x the cost.
-template <typename T>
-void write_kv_impl(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& slot_mapping) {
-  const int64_t tokens = k.size(0), heads = k.size(1), D = k.size(2), bs = k_cache.size(3);
-  const int64_t block = k_cache.stride(0), head = k_cache.stride(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  // Decodes write a few rows: threads would cost more than the copies.
-  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = slots[t] / bs, offset = slots[t] % bs;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* src = kp + t * k.stride(0) + h * k.stride(1);
-        T* dst = kc + b * block + h * head + offset;
-        for (int64_t d = 0; d < D; ++d) dst[d * bs] = src[d];
-        std::memcpy(vc + b * block + h * head + offset * D, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(T));
-      }
-    }
-  });
-}
-
-void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.device().is_cpu() && k_cache.device().is_cpu(), "write_kv: tensors must be on the CPU");
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.dim() == 4 &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "write_kv: k/v [tokens, kv_heads, head_dim], contiguous k_cache [blocks, kv_heads, head_dim, "
-              "block_size] and v_cache [blocks, kv_heads, block_size, head_dim]");
-  TORCH_CHECK(k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2) && v_cache.size(0) == k_cache.size(0) &&
-                  v_cache.size(1) == k.size(1) && v_cache.size(2) == k_cache.size(3) && v_cache.size(3) == k.size(2),
-              "write_kv: kv_heads, head_dim and block_size must match between k/v and the caches");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
-                  v_cache.scalar_type() == k.scalar_type(),
-              "write_kv: k, v and the caches must share one dtype");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv: head_dim of k and v must be contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == k.size(0),
-              "write_kv: slot_mapping must be contiguous int64, one slot per token");
-  switch (k.scalar_type()) {
-    case at::kFloat: write_kv_impl<float>(k_cache, v_cache, k, v, slot_mapping); break;
-    case at::kBFloat16: write_kv_impl<c10::BFloat16>(k_cache, v_cache, k, v, slot_mapping); break;
-    case at::kHalf: write_kv_impl<c10::Half>(k_cache, v_cache, k, v, slot_mapping); break;
-    default: TORCH_CHECK(false, "write_kv: dtype must be float32, bfloat16 or float16, got ", k.scalar_type());
   }
 }
 
@@ -442,10 +377,8 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 TORCH_LIBRARY(slotserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor seqlens_k, Tensor block_table, float scale) -> ()");
-  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(slotserve_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv", &write_kv);
 }
