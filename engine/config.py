@@ -64,9 +64,9 @@ class CacheConfig:
     """Memory budget for the pool when ``num_kv_blocks`` is not given."""
     kv_cache_dtype: Literal[KV_CACHE_DTYPES] = "auto"
     """``auto``: K/V in the model's dtype. ``int8``: quantized with a float32 scale per token and head,
-    on the ``cpu`` attention backend: about half the bytes of bfloat16, so twice the tokens in one
-    memory budget and decode steps that read half as much (vLLM's ``--kv-cache-dtype fp8`` is its
-    8-bit counterpart, with a scale per layer)."""
+    on the ``cpu`` attention backend (AVX-512 VNNI, ``block_size`` a multiple of 16): about half the
+    bytes of bfloat16, so twice the tokens in one memory budget and decode steps that read half as
+    much (vLLM's ``--kv-cache-dtype fp8`` is its 8-bit counterpart, with a scale per layer)."""
     enable_prefix_caching: Bool = True
     gpu_memory_utilization: Float = Field(0.90, gt=0, le=1)
     """On CUDA without ``num_kv_blocks``/``kv_cache_memory_gb``: the share of the GPU's memory

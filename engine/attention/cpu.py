@@ -17,7 +17,8 @@ cost ~10x the kernel's time.
 (``[num_blocks, kv_heads, block_size * (head_dim + 4)]``, engine/csrc/kv_layout.h): 68 bytes a
 token and head at head_dim 64 against 128 in bfloat16, so a decode step reads about half the
 bytes and the pool holds nearly twice the tokens. Scores are int8 dot products (AVX-512 VNNI,
-engine/csrc/score_int8.h) of the keys and the query quantized per head. First chunks still attend
+engine/csrc/score_int8.h) of the keys and the query quantized per head, and the values are summed
+under int16 weights (engine/csrc/values_int8.h). First chunks still attend
 to their own K/V unquantized (as vLLM's 8-bit caches do); everything read back from the cache is
 the quantized value.
 """
@@ -124,7 +125,9 @@ class CpuAttentionBackend(AttentionBackend):
             # K values are [head_dim / 4, block_size, 4] of int8 + 128: back to [head_dim, block_size]
             keys = k_blocks[..., :d * bs].view(torch.uint8).view(n, heads, d // 4, bs, 4).transpose(3, 4)
             k_blocks = (keys.reshape(n, heads, d, bs).float() - 128) * k_scale[:, :, None, :]
-            v_blocks = v_blocks[..., :d * bs].view(n, heads, bs, d).float() * v_scale[..., None]
+            # V values are [block_size / 2, head_dim, 2]: back to [block_size, head_dim]
+            values = v_blocks[..., :d * bs].view(n, heads, bs // 2, d, 2).transpose(3, 4)
+            v_blocks = values.reshape(n, heads, bs, d).float() * v_scale[..., None]
         # K blocks are [kv_heads, head_dim, block_size], V blocks [kv_heads, block_size, head_dim].
         keys = k_blocks.permute(0, 3, 1, 2).reshape(-1, self.num_kv_heads, self.head_dim)[:length]
         values = v_blocks.permute(0, 2, 1, 3).reshape(-1, self.num_kv_heads, self.head_dim)[:length]

@@ -6,7 +6,8 @@
 // A quantized layer cache is [num_blocks, kv_heads, block_size * (head_dim + 4)] int8, K and V alike.
 // One head's block holds its block_size * head_dim values, then block_size float32 scales, one per
 // token: x ~= int8 * scale, with scale = max |x| over the token's head_dim values / 127.
-// - V values: [block_size, head_dim] int8, as unquantized.
+// - V values: [block_size / 2, head_dim, 2] int8: the two tokens of a pair side by side in each
+//   dimension, a 32-bit lane of two int16 once widened, what vpdpwssd multiplies by their two weights.
 // - K values: [head_dim / 4, block_size, 4], stored as uint8 = int8 + 128: four consecutive
 //   dimensions of a key are one 32-bit lane, what AVX-512 VNNI's vpdpbusd multiplies (unsigned by
 //   signed bytes) against four dimensions of a query; the +128 comes back out as 128 * sum(query),

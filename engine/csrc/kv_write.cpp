@@ -1,6 +1,7 @@
 // The step's new K/V rows into their cache slots, in the cache's dtype: copied as they are, or
-// quantized to int8 with a scale per token and head (kv_layout.h). V rows go in whole, K rows
-// scattered into their block's key layout (transposed; for int8, in groups of 4 dimensions).
+// quantized to int8 with a scale per token and head (kv_layout.h). V rows go in whole (for int8,
+// interleaved with their pair's), K rows scattered into their block's key layout (transposed; for
+// int8, in groups of 4 dimensions).
 // Advanced indexing (index_put_) did the plain copy at ~10x the cost.
 
 #include <ATen/Parallel.h>
@@ -74,8 +75,9 @@ void write_int8(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, c
     auto* keys = reinterpret_cast<uint8_t*>(kb);  // [D / 4, block_size, 4] of int8 + 128 (kv_layout.h)
     for (int64_t d = 0; d < s.D; ++d)
       keys[(d / G) * s.bs * G + offset * G + d % G] = static_cast<uint8_t>(static_cast<int32_t>(row[d]) + 128);
-    slotserve::token_scales(vb, s.D, s.bs)[offset] =
-        quantize_row(vp + t * v.stride(0) + h * v.stride(1), s.D, vb + offset * s.D);
+    slotserve::token_scales(vb, s.D, s.bs)[offset] = quantize_row(vp + t * v.stride(0) + h * v.stride(1), s.D, row);
+    int8_t* values = vb + (offset / 2) * s.D * 2 + offset % 2;  // [block_size / 2, D, 2] (kv_layout.h)
+    for (int64_t d = 0; d < s.D; ++d) values[2 * d] = row[d];
   });
 }
 
@@ -103,6 +105,7 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
                     k_cache.size(2) % (D + slotserve::kScaleBytes) == 0,
                 "write_kv: int8 caches are [blocks, kv_heads, block_size * (head_dim + 4)], K and V alike");
     bs = k_cache.size(2) / (D + slotserve::kScaleBytes);
+    TORCH_CHECK(bs % 16 == 0, "write_kv: an int8 cache's block_size must be a multiple of 16, got ", bs);
     TORCH_CHECK(D % slotserve::W == 0 && D <= kMaxHeadDim, "write_kv: an int8 cache's head_dim must be a multiple "
                 "of ", slotserve::W, ", at most ", kMaxHeadDim, ", got ", D);
   } else {

@@ -31,6 +31,7 @@
 
 #include "kv_layout.h"
 #include "score_int8.h"
+#include "values_int8.h"
 #include "vec.h"
 
 namespace {
@@ -202,10 +203,11 @@ struct Scratch {
   std::vector<float> scores, qf, inv, q_scale;  // scores [G, longest rounded up to W], qf [G, D]
   std::vector<vfloat> acc;                      // [G, D / W]
   std::vector<int32_t> q_packed, q_offset;      // an int8 cache's quantized query (score_int8.h)
+  std::vector<int16_t> weights;                 // and its probabilities as int16 (values_int8.h), as scores
 
   Scratch(int64_t G, int64_t D, int64_t longest)
       : scores(G * ((longest + W - 1) / W * W)), qf(G * D), inv(G), q_scale(G), acc(G * D / W),
-        q_packed(G * D / kKeyGroup), q_offset(G) {}
+        q_packed(G * D / kKeyGroup), q_offset(G), weights(scores.size()) {}
   QuantizedQuery query() { return {q_packed.data(), q_offset.data(), q_scale.data()}; }
 };
 
@@ -247,8 +249,21 @@ void attend_row(const T* q, const C* k_cache, const C* v_cache, const int32_t* b
     }
     inv[g] = 1.f / hsum(total);  // applied to the G x head_dim outputs, not to len probabilities
   }
-  if constexpr (quantized) apply_token_scales(v_cache, blocks, kv_head, len, s, scores, padded);
-  values_row_any(scores, v_cache, blocks, kv_head, len, s, padded, acc);
+  if constexpr (quantized) {
+#if defined(__AVX512VNNI__)
+    apply_token_scales(v_cache, blocks, kv_head, len, s, scores, padded);
+    int16_t* weights = w.weights.data();
+    for (int64_t g = 0; g < G; ++g) {
+      const float peak = abs_max(scores + g * padded, padded);
+      round_to_int16(scores + g * padded, padded, peak > 0.f ? 32767.f / peak : 0.f, weights + g * padded);
+      std::fill(weights + g * padded + len, weights + (g + 1) * padded, int16_t{0});
+      inv[g] *= peak / 32767.f;
+    }
+    values_row_int8_any(weights, v_cache, blocks, kv_head, len, s, padded, acc);
+#endif
+  } else {
+    values_row_any(scores, v_cache, blocks, kv_head, len, s, padded, acc);
+  }
   for (int64_t g = 0; g < G; ++g) {
     float* row = reinterpret_cast<float*>(acc + g * (D / W));
     for (int64_t i = 0; i < D; ++i) row[i] *= inv[g];
