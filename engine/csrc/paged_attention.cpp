@@ -8,9 +8,8 @@
 // contiguous run that the hardware prefetcher streams. One work item is (query row, KV head):
 // the G query heads sharing that KV head read each key and value once. The softmax is in fp32
 // whatever the cache dtype. An int8 cache (kv_layout.h) holds about half the bytes of a bfloat16
-// one: its keys are scored by int8 dot products (score_int8.h), and its per-token scales multiply
-// each score and each probability, so the value loop only widens int8 to float32, as it widens
-// bfloat16.
+// one: its keys are scored by int8 dot products (score_int8.h), its per-token scales multiply each
+// score and each probability, and its values are summed under int16 weights (values_int8.h).
 //
 // Built on first use by engine/cpu_kernels.py with -O3 -march=native. Scores and values use
 // GCC vector types of W floats (vec.h, the widest the build's target has), so no loop depends on
