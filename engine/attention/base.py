@@ -97,7 +97,7 @@ class AttentionBackend(ABC):
 
     def bytes_per_block(self, dtype: torch.dtype) -> int:
         """KV bytes one block takes in one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        return self.block_size * self.token_bytes(dtype)
 
     def token_bytes(self, dtype: torch.dtype) -> int:
         """K plus V bytes of one token in one layer."""

@@ -66,9 +66,6 @@ class CpuAttentionBackend(AttentionBackend):
             return 2 * self.num_kv_heads * (self.head_dim + SCALE_BYTES)
         return super().token_bytes(dtype)
 
-    def bytes_per_block(self, dtype):
-        return self.block_size * self.token_bytes(dtype)
-
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         self._write(*kv_cache, k, v, meta.slot_mapping)
 

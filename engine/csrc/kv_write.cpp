@@ -10,8 +10,6 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
