@@ -26,7 +26,7 @@ from engine.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "kv_write.cpp", "amx_linear.cpp"))
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "kv_write.cpp", "attention_step.cpp", "amx_linear.cpp"))
 HEADERS = tuple(CSRC / name for name in ("kv_layout.h", "score_int8.h", "values_int8.h", "vec.h"))
 # -ffast-math at compile time only: it lets the compiler vectorize reductions and expf; linked
 # without it, the library does not switch the process to flush-to-zero.

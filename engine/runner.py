@@ -85,7 +85,7 @@ class ModelRunner:
         # Not with tensor parallelism: its ranks all-reduce mid-layer, outside what one graph can trace.
         self.compiled: CompiledDecoder | None = None
         if config.compile_model and not config.enforce_eager and self.group.world_size == 1:
-            self.compiled = CompiledDecoder(self.model)
+            self.compiled = CompiledDecoder(self.model, self.backend)
         self.decoder: Callable = (self.model if self.compiled is None
                                   else functools.partial(self.compiled, backend=self.backend))
         """What runs the model, called like it: the compiled decoder where there is one, else the modules."""

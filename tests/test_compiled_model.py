@@ -7,6 +7,8 @@ SLOTSERVE_ENFORCE_EAGER). Qwen3 on two layers: q/k norm, GQA, SiLU, untied head.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -48,9 +50,11 @@ def test_compiled_engine_gives_hf_greedy_tokens_and_a_cached_compile_no_stale_we
     llm = LLM(str(first), **OPTIONS)
     runner = llm.engine.runner
     assert runner.compiled is not None and runner.compile_s > 0
-    native = compiled.native_packed_linear()  # the kernel library's layer op; None without a compiler
+    native = compiled.native_op("packed_linear")  # the kernel library's layer op; None without a compiler
     assert runner.compiled.packed_layers and all(
         layer.packed_op is (native or torch.ops.slotserve.packed_linear) for layer in runner.compiled.packed_layers)
+    # Decode steps' attention runs in the library's C++ op too (the CPU kernel backend, by default here).
+    assert runner.backend.name == ("cpu" if native else "torch") and runner.compiled.native_attention == bool(native)
     assert _greedy(llm) == want_first
     # Same shapes, so the same graphs: the second engine's compile finds them in the cache.
     llm2 = LLM(str(second), **OPTIONS)
@@ -105,7 +109,7 @@ def test_the_kernel_librarys_layer_op_runs_the_bound_layers_as_eager_does_on_its
     bias = torch.randn(64, generator=gen).to(dtype)
     amx = pack_amx(weights[0]) if dtype == torch.bfloat16 and amx_linear_problem() is None else None
     layers = [(amx, pack_weight(weights[0], 16), None), (None, pack_weight(weights[1], 16), bias)]
-    op = compiled.native_packed_linear()
+    op = compiled.native_op("packed_linear")
     torch.ops.slotserve_cpu.bind_packed_layers(*map(list, zip(*layers)), AMX_MAX_ROWS)
     for rows in (3, AMX_MAX_ROWS + 1):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
@@ -122,3 +126,60 @@ def test_compiled_ops_outside_a_step_fail_clearly():
     q = torch.zeros(1, 2, 16)
     with pytest.raises(RuntimeError, match="outside step_context"):
         compiled.attention(q, q[:, :1], q[:, :1], q, q)
+
+
+def _decode_step(contexts, block_size):
+    """A decode-only step over ``contexts`` cached tokens per request, blocks scattered in the pool."""
+    from engine.attention.metadata import build_step_inputs
+    from engine.request import Request
+    from engine.sampling import SamplingParams
+    from engine.scheduler import ScheduledChunk
+
+    need = [-(-(c + 1) // block_size) for c in contexts]
+    pool = torch.randperm(sum(need), generator=torch.Generator().manual_seed(1)).tolist()
+    chunks = []
+    for i, c in enumerate(contexts):
+        r = Request(str(i), [1] * (c + 1), SamplingParams(), 0, i, 10_000, 0, frozenset())
+        r.block_ids = [pool.pop() for _ in range(need[i])]
+        chunks.append(ScheduledChunk(r, c, 1))
+    return build_step_inputs(chunks, block_size, torch.device("cpu"))[3], sum(need)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_kernel_librarys_attention_op_serves_decode_steps_and_hands_other_steps_to_the_python_op(kv_cache_dtype):
+    """``slotserve_cpu::attention``, what the compiled graph calls for a layer on the CPU kernel: a bound
+    decode step's K/V writes and outputs are the backend's bits; with nothing bound (a step with prompt
+    chunks) it runs the Python op, which reads the step context; the binding belongs to its thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.attention import create_backend, int8_problem
+    from engine.cpu_kernels import compiler_problem
+    from tests.test_attention_cpu import _long_step
+
+    if compiler_problem() is not None:
+        pytest.skip(f"no CPU kernel library here: {compiler_problem()}")
+    if kv_cache_dtype == "int8" and int8_problem(16) is not None:
+        pytest.skip(int8_problem(16))
+    op, cpu, dtype = compiled.native_op("attention"), torch.device("cpu"), torch.bfloat16
+    backend = create_backend("cpu", cpu, 9, 3, 64, 16, dtype, kv_cache_dtype)
+    gen = torch.Generator().manual_seed(2)
+    decode, blocks = _decode_step([40, 300, 17, 129], 16)
+    mixed = _long_step(3, 16, 9, 3, 64, dtype)
+    for meta, bound in ((decode, backend.decode_step_index(decode)), (mixed[0], backend.decode_step_index(mixed[0]))):
+        assert (meta is decode) == bool(bound)
+        tokens = len(meta.slot_mapping)
+        q = torch.randn(tokens, 9, 64, generator=gen).to(dtype)
+        k, v = (torch.randn(tokens, 3, 64, generator=gen).to(dtype) for _ in "kv")
+        caches = [backend.allocate_cache(max(blocks, mixed[4]), dtype, cpu) for _ in range(2)]
+        want = backend.forward(q, k, v, caches[0], meta)
+        torch.ops.slotserve_cpu.bind_attention_step(bound, backend.scale)
+        # A bound step never reaches Python: no step context for it.
+        with compiled.step_context(backend, meta, []) if not bound else contextlib.nullcontext():
+            got = op(q, k, v, *caches[1])
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(*caches))
+    with ThreadPoolExecutor(1) as pool:  # nothing bound there, and no step context: the Python op refuses
+        error = pool.submit(op, q, k, v, *caches[1]).exception()
+    assert isinstance(error, RuntimeError) and "outside step_context" in str(error)
+    torch.ops.slotserve_cpu.bind_attention_step(backend.decode_step_index(decode), backend.scale)
+    with pytest.raises(RuntimeError, match="the bound step has 4 tokens"):
+        op(q, k, v, *caches[1])

@@ -69,6 +69,13 @@ class CpuAttentionBackend(AttentionBackend):
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         self._write(*kv_cache, k, v, meta.slot_mapping)
 
+    def decode_step_index(self, meta: AttentionMetadata) -> list[torch.Tensor]:
+        """What ``slotserve_cpu::attention`` (engine/csrc/attention_step.cpp) reads for a decode-only
+        step, which it serves in C++ as ``forward`` would; nothing for any other step."""
+        if meta.num_decodes != len(meta.query_lens):
+            return []
+        return [meta.slot_mapping, meta.cu_seqlens_q, meta.seqlens_k, meta.block_table]
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         self.write_kv(k, v, kv_cache, meta)
         k_cache, v_cache = kv_cache

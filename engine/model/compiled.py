@@ -126,23 +126,28 @@ def _(q, k, v, k_cache, v_cache):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
+_FAKES = {
+    "packed_linear": lambda x, index, out_features, with_bias: x.new_empty(x.shape[0], out_features),
+    "attention": lambda q, k, v, k_cache, v_cache: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]),
+}
+
+
 @functools.cache
-def native_packed_linear():
-    """The kernel library's ``packed_linear`` (with its shape function for tracing), or None
-    where the library cannot be built here."""
+def native_op(name: str):
+    """The kernel library's C++ twin of op ``name`` (``packed_linear``, ``attention``), its shape
+    function registered for tracing; None where the library cannot be built here."""
     from engine.cpu_kernels import compiler_problem, load_kernel
     if compiler_problem() is not None:
         return None
-    op = load_kernel().packed_linear
-    torch.library.register_fake("slotserve_cpu::packed_linear")(
-        lambda x, index, out_features, with_bias: x.new_empty(x.shape[0], out_features))
+    op = getattr(load_kernel(), name)
+    torch.library.register_fake(f"slotserve_cpu::{name}")(_FAKES[name])
     return op
 
 
 class CompiledDecoder:
     """The model's ``hidden_states`` compiled; called like the eager model (plus the backend)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend) -> None:
         # Inductor reads its cache folder from the environment when it first needs it.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
         # Dynamo keeps one compiled variant per model shape, dtype and token-count class (one, many)
@@ -152,13 +157,19 @@ class CompiledDecoder:
         self.model = model
         self.packed_layers = [m for m in model.modules() if getattr(m, "packed", None) is not None
                               and hasattr(m, "packed_index")]
-        native = native_packed_linear() if self.packed_layers else None
+        native = native_op("packed_linear") if self.packed_layers else None
         for index, layer in enumerate(self.packed_layers):
             layer.packed_index = index
             layer.packed_op = native or torch.ops.slotserve.packed_linear
         self._bind = (native and (
             [layer.amx for layer in self.packed_layers], [layer.packed for layer in self.packed_layers],
             [layer.bias for layer in self.packed_layers], AMX_MAX_ROWS))
+        # The CPU kernel's decode steps run in the C++ op; every other step goes on to the Python one.
+        self.native_attention = backend.name == "cpu" and native_op("attention") is not None
+        attention_op = native_op("attention") if self.native_attention else torch.ops.slotserve.attention
+        for module in model.modules():
+            if hasattr(module, "compiled_op"):
+                module.compiled_op = attention_op
         self.lora_layers = [m.lora for m in model.modules() if getattr(m, "lora", None) is not None]
         for index, weights in enumerate(self.lora_layers):
             weights.index = index
@@ -171,6 +182,8 @@ class CompiledDecoder:
         input_ids, positions = (t if t.storage_offset() == 0 else t.clone() for t in (input_ids, positions))
         if self._bind:
             torch.ops.slotserve_cpu.bind_packed_layers(*self._bind)
+        if self.native_attention:
+            torch.ops.slotserve_cpu.bind_attention_step(backend.decode_step_index(meta), backend.scale)
         with step_context(backend, meta, self.packed_layers, self.lora_layers):
             hidden = self._hidden(input_ids, positions, kv_caches, None)
         return self.model.logits(hidden, logits_indices)

@@ -28,6 +28,10 @@ PACKED = {
 
 
 class Attention(nn.Module):
+    compiled_op = None
+    """The op a compiled graph calls (engine.model.compiled sets it): ``slotserve::attention``, or the
+    kernel library's C++ twin of it."""
+
     def __init__(self, arch: ModelArch, group: ParallelGroup, backend: AttentionBackend, rotary: RotaryEmbedding):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads,
@@ -53,7 +57,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if meta is None:  # compiled: the step's metadata reaches the op out of band
-            out = torch.ops.slotserve.attention(q, k, v, kv_cache[0], kv_cache[1])
+            out = self.compiled_op(q, k, v, kv_cache[0], kv_cache[1])
         else:
             out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out)
