@@ -14,6 +14,10 @@ TINY_MODEL_SHAPE = {
 # Sizes of public checkpoints; positions capped at 8192, which every workload and the profile fit.
 MODEL_SHAPES: dict[str, tuple[str, dict]] = {
     "tiny": ("llama", {**TINY_MODEL_SHAPE, "tie_word_embeddings": False}),
+    "smollm2-135m": ("llama", {  # SmolLM2-135M-Instruct, the served default model
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}),
     "qwen2-0.5b": ("qwen2", {  # Qwen2.5-0.5B
         "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
         "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 8192,

@@ -328,3 +328,22 @@ def test_async_engine_system_runs_every_request_to_its_length(tmp_path):
     assert run.preemptions == stepped.preemptions == 0
     assert all(0 < t.ttft_s <= t.e2e_s for t in run.traces)
     assert 0 < max(o for _, o in run.occupancy) <= 1
+
+
+def test_kernel_profile_reports_attentions_share_of_a_step(tmp_path):
+    """benchmarks.kernels at one level on the tiny model, eager: the step's time, attention's share
+    (the CPU kernel's ops), and the profiler's table listing them."""
+    from benchmarks.engine_systems import make_engine
+    from benchmarks.kernels import profile_level
+    from benchmarks.models import make_tiny_model_dir
+    from benchmarks.systems import BenchSettings
+
+    settings = BenchSettings(model_dir=str(make_tiny_model_dir(tmp_path / "tiny")), max_num_seqs=4, num_kv_blocks=256)
+    engine = make_engine(settings, enforce_eager=True)
+    step_ms, share, table = profile_level(engine, 4, 6, "cpu", 30, prompt_len=40)
+    assert step_ms > 0
+    if engine.runner.backend.name == "cpu":  # the kernel library is built here
+        assert 0 < share < 1 and "slotserve_cpu::paged_attention" in table, share
+    else:
+        assert share is None
+    assert not engine.has_unfinished()
