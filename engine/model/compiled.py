@@ -7,6 +7,9 @@ one-token steps, which it specializes). Two custom ops stay opaque to inductor:
   FlashAttention, Triton) runs unchanged inside the graph; the step's metadata (Python lists,
   per-step tensors) reaches it out of band, through ``step_context``, so it never becomes a
   guard that would recompile every step (vLLM passes its forward context the same way).
+  On the CPU kernel the graph calls the library's C++ twin, ``slotserve_cpu::attention``
+  (engine/csrc/attention_step.cpp): a decode-only step's index tensors are bound once, and each
+  layer's K/V write and kernel run without Python; any other step goes on to this op.
 - ``slotserve::packed_linear`` (CPU): the GEMM over the weights ``prepack`` packed (AMX tiles up
   to ``AMX_MAX_ROWS`` rows, oneDNN above), as the eager model runs it. A packed oneDNN tensor can
   be neither traced nor written to inductor's disk cache, so the graph names each layer by its
