@@ -100,7 +100,7 @@ def packed_linear(x: torch.Tensor, index: int, out_features: int, with_bias: boo
 
 
 @torch.library.register_fake("slotserve::packed_linear", lib=_lib)
-def _(x, index, out_features, with_bias):
+def _packed_linear_shape(x, index, out_features, with_bias):
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -125,14 +125,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
 
 
 @torch.library.register_fake("slotserve::attention", lib=_lib)
-def _(q, k, v, k_cache, v_cache):
+def _attention_shape(q, k, v, k_cache, v_cache):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-_FAKES = {
-    "packed_linear": lambda x, index, out_features, with_bias: x.new_empty(x.shape[0], out_features),
-    "attention": lambda q, k, v, k_cache, v_cache: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]),
-}
+_SHAPES = {"packed_linear": _packed_linear_shape, "attention": _attention_shape}
+"""Shape functions of the ops that have a C++ twin in the kernel library (same schema)."""
 
 
 @functools.cache
@@ -143,7 +141,7 @@ def native_op(name: str):
     if compiler_problem() is not None:
         return None
     op = getattr(load_kernel(), name)
-    torch.library.register_fake(f"slotserve_cpu::{name}")(_FAKES[name])
+    torch.library.register_fake(f"slotserve_cpu::{name}")(_SHAPES[name])
     return op
 
 
@@ -168,8 +166,9 @@ class CompiledDecoder:
             [layer.amx for layer in self.packed_layers], [layer.packed for layer in self.packed_layers],
             [layer.bias for layer in self.packed_layers], AMX_MAX_ROWS))
         # The CPU kernel's decode steps run in the C++ op; every other step goes on to the Python one.
-        self.native_attention = backend.name == "cpu" and native_op("attention") is not None
-        attention_op = native_op("attention") if self.native_attention else torch.ops.slotserve.attention
+        native_attention = native_op("attention") if backend.name == "cpu" else None
+        self.native_attention = native_attention is not None
+        attention_op = native_attention or torch.ops.slotserve.attention
         for module in model.modules():
             if hasattr(module, "compiled_op"):
                 module.compiled_op = attention_op
