@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -19,9 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART_DIR = ROOT / "helm" / "slotserve"
 CI_DIR = CHART_DIR / "ci"
 GOLDEN_DIR = ROOT / "tests" / "golden" / "helm"
-# CI clones the repository with shared/ beside it.
-SCHEMA_DIR = Path(os.environ.get("SLOTSERVE_K8S_SCHEMAS")
-                  or Path(__file__).resolve().parents[2] / "shared" / "k8s-schemas")
+# KubeRay v1.7.0's CRD schemas, kept in the repository (helm/schemas/kuberay/README.md: source, refresh)
+SCHEMA_DIR = ROOT / "helm" / "schemas" / "kuberay"
 CI_NAMES = ("cpu-demo", "gpu-1x", "gpu-8b-tp2", "gpu-70b-tp8")
 RELEASE, NAMESPACE = "slotserve", "slotserve"
 K8S_VERSIONS = ("1.27.0", "1.37.0")  # the chart's kubeVersion floor, and the newest schemas
@@ -92,9 +90,6 @@ def _strict(schema):
 
 @pytest.fixture(scope="module")
 def crd_validators() -> dict[str, jsonschema.Draft4Validator]:
-    if not SCHEMA_DIR.is_dir():
-        pytest.fail(f"KubeRay CRD schemas not found at {SCHEMA_DIR}: clone the shared/ folder beside the "
-                    "repository or set SLOTSERVE_K8S_SCHEMAS to the folder with rayservice-v1.schema.json")
     return {kind: jsonschema.Draft4Validator(_strict(json.loads((SCHEMA_DIR / f"{kind.lower()}-v1.schema.json")
                                                                 .read_text())))
             for kind in ("RayService", "RayCluster")}
