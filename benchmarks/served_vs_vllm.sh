@@ -7,7 +7,7 @@
 # SLOTSERVE_CONFIG: the Serve config `slotserve serve` runs (default its own, configs/local-cpu.yaml);
 # e.g. a copy with `kv_cache_dtype: int8` under `engine:`, against `--kv-cache-dtype fp8` for vLLM.
 #
-# VLLM_VENV: a venv with vLLM's CPU build (../shared/peers/setup-vllm-cpu.sh makes one). MODEL_DIR:
+# VLLM_VENV: a venv with vLLM's CPU build (benchmarks/peers/setup-vllm-cpu.sh makes one). MODEL_DIR:
 # default the converted default model. Each server starts at its defaults (plus the extra args
 # for vLLM) and is stopped before the next one starts.
 set -euo pipefail

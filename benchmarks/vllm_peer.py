@@ -2,7 +2,7 @@
 
 vLLM pins its own transformers and fastapi, so it never shares slotserve's venv: the
 benchmark's ``--vllm-python PATH`` names that environment's interpreter (set one up with
-../shared/peers/setup-vllm-cpu.sh or your own install), and benchmarks/vllm_offline.py runs
+benchmarks/peers/setup-vllm-cpu.sh or your own install), and benchmarks/vllm_offline.py runs
 there. It gets the settings every system gets (dtype, slots, token budget, block size,
 prefix caching, threads) and returns timed output messages, summarized here like the others.
 """
