@@ -64,6 +64,9 @@ METRICS: dict[str, MetricDef] = {
     "generation_tokens": MetricDef("counter", "Tokens generated (sampled)."),
     "prefix_cache_queries": MetricDef("counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": MetricDef("counter", "Prompt tokens found in the prefix cache."),
+    "spec_decode_num_drafts": MetricDef("counter", "Speculative drafts verified."),
+    "spec_decode_num_draft_tokens": MetricDef("counter", "Speculative draft tokens verified."),
+    "spec_decode_num_accepted_tokens": MetricDef("counter", "Speculative draft tokens accepted."),
     "iteration_tokens_total": MetricDef("histogram", "Tokens computed per engine step.",
                                         buckets=ITERATION_TOKEN_BUCKETS),
     # engine replica with LoRA adapters (docs/LORA.md)
@@ -203,7 +206,10 @@ def recorder_for(model_name: str) -> Recorder:
 
 _STATS_COUNTERS = {"num_preemptions": "num_preemptions", "generation_tokens": "num_generated_tokens",
                    "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
-                   "lora_loads": "lora_loads", "lora_evictions": "lora_evictions"}
+                   "lora_loads": "lora_loads", "lora_evictions": "lora_evictions",
+                   "spec_decode_num_drafts": "spec_decode_num_drafts",
+                   "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+                   "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens"}
 
 
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)

@@ -129,6 +129,37 @@ class LoRAConfig:
         return adapters
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@validated()
+class SpeculativeConfig:
+    """Speculative decoding (engine.spec_decode), vLLM's ``speculative_config`` names: drafts of up to
+    ``num_speculative_tokens`` tokens verified in the same step as the rest of the batch. Greedy and
+    sampled requests get exactly the tokens they would get without it."""
+
+    method: Literal[SPECULATIVE_METHODS]
+    """``ngram``: prompt lookup, the tokens that followed the latest earlier occurrence of the
+    sequence's last n-gram (no draft model)."""
+    num_speculative_tokens: Int = Field(ge=1, le=16)
+    """Draft tokens per step and request (k): a verifying request computes 1 + k tokens."""
+    prompt_lookup_min: Int = Field(2, ge=1)
+    """Shortest suffix n-gram matched."""
+    prompt_lookup_max: Int = Field(5, ge=1, le=64)
+    """Longest suffix n-gram matched (longer matches are preferred)."""
+    disable_by_batch_size: Int | None = Field(8, ge=1)
+    """No drafts in a step while more requests than this run: a full batch reads its weights for
+    many tokens already, and rejected drafts would cost it compute. None: always draft."""
+
+    @field_validator("prompt_lookup_max")
+    @classmethod
+    def _window(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("prompt_lookup_min")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= prompt_lookup_min ({low})")
+        return value
+
+
 @validated()
 class EngineConfig:
     model: ModelConfig
@@ -137,6 +168,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig | None = None
     """LoRA adapters on this base model (engine.lora); None: the base model only."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (engine.spec_decode); None: off, one token per request per step."""
     attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """``auto``: on CUDA the first that runs here of fa3, flash, varlen (FlashAttention kernels) and
     triton; on CPU the ``cpu`` kernel (built on first use); else torch."""
@@ -159,6 +192,14 @@ class EngineConfig:
     chunked prefill one step holds a whole prompt). A hang shows within this plus one
     health-check period; set it near ``health_check_period_s`` where steps are short."""
 
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculation_alone(cls, value: SpeculativeConfig | None, info: ValidationInfo) -> SpeculativeConfig | None:
+        parallel = info.data.get("parallel")
+        if value is not None and parallel is not None and parallel.tensor_parallel_size > 1:
+            raise ValueError("is not supported with tensor_parallel_size > 1 yet")
+        return value
+
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":
         """Build from flat keyword options; unknown keys raise ValueError naming them."""
@@ -166,8 +207,8 @@ class EngineConfig:
                     "parallel": ParallelConfig}
         kwargs: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
-        top_fields = {"lora", "attention_backend", "enforce_eager", "compile_model", "profile", "num_threads",
-                      "stuck_timeout_s"}
+        top_fields = {"lora", "speculative_config", "attention_backend", "enforce_eager", "compile_model", "profile",
+                      "num_threads", "stuck_timeout_s"}
         owners = {f.name: name for name, klass in sections.items() for f in dataclasses.fields(klass)}
         for key, value in options.items():
             if key == "lora" and isinstance(value, dict):

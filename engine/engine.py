@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from engine.config import EngineConfig
+from engine.cpu_features import describe_host
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.kv.block_manager import BlockManager
 from engine.lora import LoRAManager
@@ -29,6 +30,8 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import Speculator
+from engine.spec_verify import EngineSpeculation
 from engine.structured import GrammarBook
 
 logger = logging.getLogger(__name__)
@@ -56,12 +59,14 @@ def _grammar_step(req: Request, tok: int) -> str | None:
     return FINISH_STOP if req.matcher.is_stopped() else None
 
 
-class LLMEngine(EngineAdapters):
+class LLMEngine(EngineAdapters, EngineSpeculation):
     def __init__(self, config: EngineConfig, launcher=None) -> None:
         """``launcher``: how tensor-parallel rank workers start (engine.tp.launcher.RankLauncher;
         default: local processes). Unused at tensor_parallel_size 1."""
         from engine.models_hub import resolve_model
 
+        started = time.monotonic()
+        logger.info("host: %s", describe_host())
         self.config = config
         if config.num_threads is not None:
             import torch
@@ -83,7 +88,9 @@ class LLMEngine(EngineAdapters):
         # A request can never hold more tokens than the pool, or it would preempt itself forever.
         self.max_total_tokens = min(self.max_model_len, self.runner.num_blocks * bs)
         self.lora = LoRAManager(config.lora, self.arch, self._activate_lora) if config.lora is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_total_tokens, self.lora)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_total_tokens, self.lora,
+                                   Speculator(spec, self.block_manager) if spec is not None else None)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids | _generation_eos_ids(self.model_path))
         self.grammars = GrammarBook(self.model_path, self.arch.vocab_size, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}
@@ -100,9 +107,9 @@ class LLMEngine(EngineAdapters):
                                   weights_bytes=self.runner.param_bytes,
                                   kv_cache_bytes=sum(t.numel() * t.element_size()
                                                      for kv in self.runner.kv_caches for t in kv))
-        logger.info("engine ready: %s (%s), max_model_len %d, %d KV blocks x %d tokens, %s on %s",
-                    self.model_path.name, self.arch.architecture, self.max_model_len, self.runner.num_blocks,
-                    bs, self.runner.dtype, self.runner.device)
+        logger.info("engine ready in %.1f s: %s (%s), max_model_len %d, %d KV blocks x %d tokens, %s on %s",
+                    time.monotonic() - started, self.model_path.name, self.arch.architecture, self.max_model_len,
+                    self.runner.num_blocks, bs, self.runner.dtype, self.runner.device)
 
     @classmethod
     def from_options(cls, model: str, **options) -> "LLMEngine":
@@ -284,7 +291,7 @@ class LLMEngine(EngineAdapters):
             self._refresh_stats()
             return outputs
         try:
-            reqs, tokens, logprobs, prompt = self.runner.execute(sched.chunks, timings)
+            reqs, tokens, logprobs, prompt = self.runner.execute(sched.chunks, timings, sched.num_draft_tokens > 0)
         except Exception as exc:
             if self.tp is not None:  # a lost rank or a failed collective: the ranks are out of step
                 raise self.tp.fail(exc) from exc
@@ -292,12 +299,16 @@ class LLMEngine(EngineAdapters):
         t1 = time.perf_counter()
         for req, entries in prompt:
             req.prompt_logprobs.extend(entries)
-        self.scheduler.after_step(sched)
-        now = time.monotonic()
-        for req, tok, lp in zip(reqs, tokens, logprobs):
-            outputs.append(self._append_token(req, tok, lp, now))
+        if sched.num_draft_tokens:
+            generated = self._verified_step(sched, reqs, tokens, logprobs, outputs)
+        else:
+            self.scheduler.after_step(sched)
+            now = time.monotonic()
+            for req, tok, lp in zip(reqs, tokens, logprobs):
+                outputs.append(self._append_token(req, tok, lp, now))
+            generated = len(tokens)
         self._stats.num_steps += 1
-        self._stats.num_generated_tokens += len(tokens)
+        self._stats.num_generated_tokens += generated
         self.step_tokens.append(sched.num_batched_tokens)
         self._refresh_stats()
         if timings is not None:
@@ -380,6 +391,8 @@ class LLMEngine(EngineAdapters):
         s.num_preemptions = self.scheduler.num_preemptions
         if self.lora is not None:
             self._lora_stats(s)
+        if self.scheduler.speculator is not None:
+            self._spec_stats(s)
         s.last_step_time = time.monotonic()
 
     def stats(self) -> EngineStats:

@@ -37,6 +37,10 @@ class RequestTiming:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_drafts: int = 0
+    """Speculative decoding (engine.spec_decode): drafts verified, their tokens, and those accepted."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     events: list[tuple] = field(default_factory=list)
     """The audit trail: ``(time, event, *details)`` tuples (details named by AUDIT_DETAILS), appended
     by the engine as things happen; nothing is formatted in the step loop (see ``audit_records``)."""
@@ -121,6 +125,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
     """Prompt tokens found there."""
     num_preemptions: int = 0
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding (vLLM's names): drafts verified, draft tokens, and those accepted."""
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple = ()
+    """Per draft position: drafts whose token there was accepted."""
     num_steps: int = 0
     num_generated_tokens: int = 0
     num_finished: int = 0

@@ -28,7 +28,7 @@ class Request:
         "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
         "max_total_tokens", "seed", "eos_token_ids", "matcher", "index", "held", "prompt_logprobs",
-        "lora_name", "lora_slot", "root_hash", "sampling_row",
+        "lora_name", "lora_slot", "root_hash", "sampling_row", "spec",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -70,6 +70,8 @@ class Request:
         """Parent of its first KV block's digest: the adapter's, so adapters never share cached KV."""
         self.sampling_row: tuple | None = None
         """What engine.sampler reads of ``params`` for a batch, cached there on first use."""
+        self.spec = None
+        """Speculative decoding's state for it (engine.spec_decode), made on its first decode step."""
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -33,6 +33,8 @@ from engine.model.layers import AMX_MAX_ROWS, amx_supported, cpu_prepack_support
 from engine.parallel import ParallelGroup
 from engine.sampler import PROMPT_ROWS_AT_ONCE, Sampler, SamplingBatch, prompt_logprobs
 from engine.scheduler import MAX_SCORED_TOKENS, ScheduledChunk
+from engine.spec_verify import draft_rows
+from engine.warm_up import warm_up_steps
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,11 @@ class ModelRunner:
         heads = self.group.heads(arch.num_heads, arch.num_kv_heads)
         self.backend = create_backend(config.attention_backend, self.device, heads.q_count, heads.kv_count,
                                       arch.head_dim, self.block_size, self.dtype, config.cache.kv_cache_dtype)
+        t0 = time.perf_counter()
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("weights loaded in %.1f s: %s, %.0f MiB in %s", time.perf_counter() - t0, model_path.name,
+                    self.param_bytes / (1 << 20), str(self.dtype).removeprefix("torch."))
         self.lora: LoRAModel | None = None
         if config.lora is not None:
             lora = config.lora
@@ -109,7 +114,7 @@ class ModelRunner:
         self.compile_s: float | None = None
         """Seconds the start-up compilation took (a warm inductor cache makes it short)."""
         if self.compiled is not None:  # before capture: no compilation may happen inside a CUDA graph
-            self.compile_s = self.compiled.warm_up(self._warm_up_step)
+            self.compile_s = self._warm_up()
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             self.graphs = DecodeGraphs(self.decoder, self.backend, self.kv_caches, self.block_table, self.block_size,
@@ -120,12 +125,30 @@ class ModelRunner:
         self.send_step: Callable[[list], None] | None = None
         """Rank 0 with tensor parallelism: hands each step to the other ranks before running it."""
 
+    def _warm_up(self) -> float:
+        """Every path a step can take (engine.warm_up), on throwaway sequences in the pool's first
+        blocks, which no request owns yet; the pool is as allocated again afterwards."""
+        sched = self.config.scheduler
+        steps = warm_up_steps(self.block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
+                              self.max_model_len, self.num_blocks)
+        try:
+            return self.compiled.warm_up(steps, self._warm_up_step)
+        finally:
+            if self.lora is not None:
+                self.lora.step.set(None)
+            for cache in self.kv_caches:  # (a memset: well under a second even for a large pool)
+                for tensor in cache:
+                    tensor.zero_()
+
     @torch.inference_mode()
-    def _warm_up_step(self, num_tokens: int) -> None:
-        """A throwaway first chunk of ``num_tokens`` in the pool's first blocks (no request owns them yet)."""
-        chunks, _ = dummy_prefill(num_tokens, 1, self.max_model_len, self.block_size)
-        _, input_ids, positions, meta, logits_idx = build_step_inputs(chunks, self.block_size, self.device)
-        self._forward(input_ids, positions, meta, logits_idx)
+    def _warm_up_step(self, chunks: list) -> None:
+        if self.lora is not None:
+            self.lora.set_step(order_chunks(chunks)[0], self.device)
+        sampling, input_ids, positions, meta, logits_idx = build_step_inputs(chunks, self.block_size, self.device)
+        logits = self._forward(input_ids, positions, meta, logits_idx)
+        # Greedy and random rows alike: the sampler's heaviest path (top-k, top-p, min-p).
+        self.sampler(logits[:len(sampling)],
+                     dataclasses.replace(worst_case_sampling(len(sampling), self.device), all_random=False))
 
     def _forward(self, input_ids, positions, meta, logits_idx):
         self.backend.plan(meta)
@@ -198,15 +221,17 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, chunks: list):
+    def prepare(self, chunks: list, drafts: bool = False):
         if self.lora is not None:
             self.lora.set_step(order_chunks(chunks)[0], self.device)
-        return build_step_inputs(chunks, self.block_size, self.device, self.block_table)
+        return build_step_inputs(chunks, self.block_size, self.device, self.block_table, drafts)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], timings: dict[str, float] | None = None):
+    def execute(self, chunks: list[ScheduledChunk], timings: dict[str, float] | None = None, drafts: bool = False):
         """Run one step; returns (requests that sampled, their tokens, their logprobs, prompt
-        logprobs: (request, one {token id: logprob} per position it asked for) pairs)."""
+        logprobs: (request, one {token id: logprob} per position it asked for) pairs).
+        ``drafts``: some chunks verify draft tokens (engine.spec_decode); each of their positions
+        is sampled, so their request appears once per position (engine.spec_verify.draft_rows)."""
         t0 = time.perf_counter()
         if self.send_step is not None:
             self.send_step(chunks)
@@ -216,9 +241,10 @@ class ModelRunner:
             scored = [(c.request, c.prompt_logprob_positions) for c in order_chunks(chunks)[0]
                       if c.prompt_logprob_positions]
         key = self.graphs.key_for(chunks) if self.graphs is not None and not scored else None
+        offsets = None
         if key is None:
-            sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks)
-            reqs = [c.request for c in sampling]
+            sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks, drafts)
+            reqs, offsets = draft_rows(sampling) if drafts else ([c.request for c in sampling], None)
             t1 = time.perf_counter()
             logits = self._forward(input_ids, positions, meta, logits_idx)
         else:
@@ -231,7 +257,7 @@ class ModelRunner:
         # Built after the launch: on CUDA the forward is still running, so this host work hides under
         # the device's (its copies queue behind the forward, ahead of the sampler that reads them).
         tl = time.perf_counter()
-        batch = SamplingBatch.build(reqs, self.device) if reqs else None
+        batch = SamplingBatch.build(reqs, self.device, offsets) if reqs else None
         tlb = time.perf_counter()
         if timings is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -78,15 +78,19 @@ class SamplingBatch:
     max_logprobs: int | None
 
     @classmethod
-    def build(cls, requests: list[Request], device: torch.device) -> "SamplingBatch":
+    def build(cls, requests: list[Request], device: torch.device, offsets: list[int] | None = None) -> "SamplingBatch":
+        """``offsets``: per row, how many tokens past the request's next one it samples (draft
+        verification gives a request several rows: engine.spec_verify); default none."""
         # Each request's parameters are read once and cached on it: a step only zips the rows.
         rows = [r.sampling_row or _sampling_row(r) for r in requests]
         temps, top_p, min_p, top_k, seeds, logprobs, kinds = (list(c) for c in zip(*rows))
         some, every = functools.reduce(operator.or_, kinds), functools.reduce(operator.and_, kinds)
         # Two host-to-device copies that do not wait for the GPU (the step syncs once, on its tokens).
         floats = host_tensor(torch.float32, temps, top_p, min_p).view(3, -1)
-        ints = host_tensor(torch.int64, top_k, seeds,
-                           [len(r.token_ids) - r.num_prompt_tokens for r in requests]).view(3, -1)
+        positions = [len(r.token_ids) - r.num_prompt_tokens for r in requests]
+        if offsets is not None:
+            positions = [p + o for p, o in zip(positions, offsets)]
+        ints = host_tensor(torch.int64, top_k, seeds, positions).view(3, -1)
         if torch.device(device).type != "cpu":
             # Pinned (torch's host allocator caches the pages): a copy from pageable memory would block.
             floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))

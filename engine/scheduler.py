@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
@@ -21,6 +22,9 @@ from engine.errors import AdapterLoadError
 from engine.lora.manager import LoRAManager
 from engine.outputs import FINISH_ABORT, PREEMPT_KV_FULL
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.spec_decode import Speculator
 
 MAX_SCORED_TOKENS = 512
 """Prompt tokens of requests that want prompt logprobs, per step (with chunked prefill): each is a
@@ -35,6 +39,8 @@ class ScheduledChunk:
     num_tokens: int
     cached_tokens: int = 0
     """On an admission's chunk: the tokens before ``start`` taken from the prefix cache."""
+    speculative = False
+    """A decode that verifies draft tokens (engine.spec_decode.DraftChunk)."""
 
     @property
     def samples(self) -> bool:
@@ -73,6 +79,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    """Draft tokens the step verifies (engine.spec_decode); 0: a step like any without speculation."""
     time: float = 0.0
     """time.monotonic() when the step was scheduled: the time of its audit events."""
 
@@ -83,8 +91,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_total_tokens: int,
-                 lora: LoRAManager | None = None) -> None:
+                 lora: LoRAManager | None = None, speculator: "Speculator | None" = None) -> None:
         self.config = config
+        self.speculator = speculator
+        """Speculative decoding's drafts for decodes (engine.spec_decode); None: off."""
         self.lora = lora
         self.blocks = block_manager
         self.max_total_tokens = max_total_tokens
@@ -145,6 +155,9 @@ class Scheduler:
         # seq_no and would otherwise take the whole budget ahead of decoding requests).
         self.running.sort(key=lambda r: (len(r.token_ids) - r.num_computed_tokens > 1, r.priority, r.seq_no))
         block_size = self.blocks.block_size
+        spec = self.speculator
+        if spec is not None and not spec.active(len(self.running)):
+            spec = None
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -158,15 +171,20 @@ class Scheduler:
             held = len(req.block_ids) * block_size  # most decodes fit in the blocks held: nothing to reserve
             if req.num_computed_tokens + n > held and not self._reserve(req, n, scheduled, out):
                 continue
-            chunk = ScheduledChunk(req, req.num_computed_tokens, n)
+            if spec is not None and n == 1:
+                chunk = spec.draft_chunk(req, budget, len(self.running))
+            else:
+                chunk = ScheduledChunk(req, req.num_computed_tokens, n)
             scheduled[req.seq_no] = chunk
-            budget -= n
+            budget -= chunk.num_tokens
         if out.preempted:  # refund the budget of chunks whose request was preempted after being scheduled
             budget = self.token_budget - sum(c.num_tokens for c in scheduled.values())
         else:
             budget = self._admit(budget, scheduled, out)
         # Decodes first: cheaper metadata and it keeps the contract stable for the runner.
         out.chunks = sorted(scheduled.values(), key=lambda c: c.num_tokens > 1)
+        if spec is not None:  # counted now: a preemption may have dropped a drafting chunk
+            out.num_draft_tokens = sum(c.num_tokens - 1 for c in out.chunks if c.speculative)
         out.num_batched_tokens = self.token_budget - budget
         return out
 
@@ -302,7 +320,7 @@ class Scheduler:
             req = chunk.request
             if req.status is not RequestStatus.RUNNING:
                 continue
-            if chunk.num_tokens > 1 or chunk.start < req.num_prompt_tokens:
+            if (chunk.num_tokens > 1 and not chunk.speculative) or chunk.start < req.num_prompt_tokens:
                 req.record(out.time, "prefill_chunk", chunk.start, chunk.num_tokens, chunk.cached_tokens)
             req.num_computed_tokens = chunk.start + chunk.num_tokens
             while (req.num_hashed_blocks + 1) * bs <= req.num_computed_tokens:

@@ -258,9 +258,38 @@ def test_cpu_flags_name_the_bfloat16_instructions(monkeypatch):
     assert not cpu_features.fast_bf16()
 
 
+@pytest.mark.parametrize("flags,isa,dtype", [
+    ({"avx2", "fma"}, "avx2", "float32"),  # the AMD EPYC host of issue 46
+    ({"avx2", "fma", "avx512f", "avx512_vnni"}, "avx512-vnni", "float32"),
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, "avx512", "bfloat16"),
+    ({"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}, "amx", "bfloat16"),
+    ({"sse4_2"}, "scalar", "float32"),
+])
+def test_the_host_description_names_the_kernels_isa_and_the_default_dtype_the_runner_picks(monkeypatch, flags,
+                                                                                          isa, dtype):
+    import torch
+
+    from engine import cpu_features, runner
+
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
+    host = cpu_features.host_cpu()
+    assert host["kernel_isa"] == isa and host["cpu_default_dtype"] == dtype
+    assert str(runner.resolve_dtype("auto", torch.device("cpu"))) == f"torch.{dtype}"
+    assert f"C++ kernels: {isa}" in cpu_features.describe_host() and dtype in cpu_features.describe_host()
+
+
 @pytest.mark.parametrize("load_dir", ["adapters", "/", "//"])
 def test_lora_load_dir_must_be_an_absolute_directory_other_than_root(load_dir):
     from deployments.app import AppConfig
 
     with pytest.raises(ValueError, match="lora_load_dir"):
         AppConfig(lora_load_dir=load_dir)
+
+
+def test_app_config_engine_section_takes_speculative_config():
+    from deployments.app import AppConfig
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    assert AppConfig(engine={"speculative_config": spec}).engine == {"speculative_config": spec}
+    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram', got 'eagle3'"):
+        AppConfig(engine={"speculative_config": {**spec, "method": "eagle3"}})

@@ -45,11 +45,13 @@ def _pack_tokens(order) -> tuple[list[int], list[int], list[int], list[int], lis
             [c.start + c.num_tokens for c in order])
 
 
-def build_step_inputs(chunks, block_size: int, device: torch.device, table: BlockTable | None = None):
+def build_step_inputs(chunks, block_size: int, device: torch.device, table: BlockTable | None = None,
+                      drafts: bool = False):
     """Returns (chunks that sample, input_ids, positions, metadata, logits_indices).
 
     ``logits_indices``: a row per chunk that samples, in order, then the rows of the positions
     chunks name in ``prompt_logprob_positions`` (their logits score the next prompt token).
+    ``drafts``: some chunks verify draft tokens (``speculative``): each of their positions gets a row.
 
     ``chunks`` are engine.scheduler.ScheduledChunk (or engine.tp's copies of them on the
     other ranks): ``start``, ``num_tokens``, ``token_ids`` (this step's), ``block_ids`` and
@@ -78,7 +80,10 @@ def build_step_inputs(chunks, block_size: int, device: torch.device, table: Bloc
                    for q in getattr(c, "prompt_logprob_positions", ())]
     # Three host tensors, shipped in non-blocking copies: per token, per request, cu_seqlens.
     per_token = host_tensor(torch.int64, ids, positions, row_of_token).view(3, -1)
-    per_request = host_tensor(torch.int64, rows, [cu_q[i + 1] - 1 for i in sample_rows], prompt_rows)
+    logit_rows = ([cu_q[i + 1] - 1 for i in sample_rows] if not drafts else
+                  [r for i in sample_rows for r in (range(cu_q[i], cu_q[i + 1]) if order[i].speculative
+                                                    else (cu_q[i + 1] - 1,))])
+    per_request = host_tensor(torch.int64, rows, logit_rows, prompt_rows)
     lengths = host_tensor(torch.int32, cu_q, [0, *itertools.accumulate(kv_lens)], kv_lens)
     if device.type != "cpu":
         # Pinned (torch's host allocator caches the pages): a copy from pageable memory would block.
