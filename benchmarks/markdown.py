@@ -10,6 +10,11 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _host_kind(env: dict) -> str:
+    host = env.get("host_cpu")  # results written before it was recorded have none
+    return f"; {host['kernel_isa']} kernels, {host['cpu_default_dtype']} by default" if host else ""
+
+
 def format_markdown(results: dict) -> str:
     env, st, w = results["environment"], results["settings"], results["workload"]
     busy = [s.get("host_cpu_busy_before") for s in results["systems"].values()]
@@ -19,7 +24,7 @@ def format_markdown(results: dict) -> str:
         f"model {results['model']}, {st['dtype']}, torch threads {st['threads']}, {st['max_num_seqs']} slots, "
         f"KV {st['num_kv_blocks']} blocks x {st['block_size']} tokens"
         f"{' (int8; vLLM fp8)' if st.get('kv_cache_dtype') == 'int8' else ''}. "
-        f"{env['cpu']} ({env['cpu_count']} cores), "
+        f"{env['cpu']} ({env['cpu_count']} cores{_host_kind(env)}), "
         f"torch {env['torch']}, transformers {env['transformers']}, commit {(env.get('git_commit') or '-')[:10]}"
         f"{' (dirty)' if env.get('git_dirty') else ''}, {env['date_utc']}. Host CPU busy with other work before "
         f"each system: {', '.join(busy) or '-'}.", "",

@@ -161,16 +161,6 @@ def judge_targets(workload: str, ratio_table: dict, profile: dict | None, bound:
     return judged + _served_targets(ratio_table, quick)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
@@ -189,15 +179,20 @@ def environment(torch_threads: int | None, load_at_start: list[float] | None) ->
     import torch
     import transformers
 
+    from engine.cpu_features import host_cpu
+
     status = _git("status", "--porcelain")
+    host = host_cpu()
     return {
-        "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch_threads,
+        "cpu": host["cpu"], "cpu_count": os.cpu_count(), "torch_threads": torch_threads,
         "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "transformers": transformers.__version__, "numpy": numpy.__version__,
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         # Other work on the host skews every figure (threads wait on cores taken by others).
         "load_average_at_start": load_at_start, "load_average_at_end": load_average(),
+        # The host kind a figure belongs to: the kernels' ISA and the CPU's default dtype.
+        "host_cpu": host,
     }
 
 

@@ -23,6 +23,7 @@ from deployments.grpc_service import SlotServeGrpcMixin
 from deployments.link import LinkTls
 from deployments.link_client import LinkEngineClient
 from deployments.openai_api import build_openai_app
+from deployments.replica import show_engine_log
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class RouterIngress(SlotServeGrpcMixin):
         from engine.models_hub import resolve_model
         from engine.tokenizer import load_tokenizer
 
+        show_engine_log()  # a first start converts the default model here
         tokenizer = load_tokenizer(resolve_model(frontend_config.model))
         serve_side = HandleEngineClient(engine, f"{serve.get_replica_context().app_name}#{ENGINE_DEPLOYMENT}")
         client = LinkEngineClient(serve_side, link_token, serve_side.choose, tls=link_tls,

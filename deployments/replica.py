@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 from typing import Any, AsyncIterator
 
@@ -60,6 +61,19 @@ def stream_message(out: StreamOutput) -> dict:
     if out.prompt_logprobs is not None:
         message["prompt_logprobs"] = out.prompt_logprobs
     return message
+
+
+def show_engine_log() -> None:
+    """The engine's INFO lines (the host's CPU, start-up phases, warm-up progress) on this Ray worker's
+    stderr, which Ray forwards to the driver's terminal (`slotserve serve`): a worker's root logger
+    passes on warnings only."""
+    log = logging.getLogger("engine")
+    if not any(getattr(handler, "slotserve", False) for handler in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s -- %(message)s"))
+        handler.slotserve = True
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def _replica_id() -> str:
@@ -327,6 +341,7 @@ class ServeEngineReplica(EngineReplica):
     listens on this node's address (the one Ray's own ports use)."""
 
     def __init__(self, *args: Any, link_token: str | None = None, **kwargs: Any) -> None:
+        show_engine_log()
         if link_token:
             import ray
             kwargs["link_host"] = ray.util.get_node_ip_address()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.config import cache_dir
-from engine.cpu_features import cpu_flags
+from engine.cpu_features import cpu_flags, kernel_isa
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ def load_kernel():
     name = kernel_name()
     build = kernel_dir() / name
     fresh = not (build / f"{name}.so").exists()
+    if fresh:
+        logger.info("building the CPU kernel library for %s (once per machine, ~15 s on 2 cores)", kernel_isa())
     build.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(build / "build.flock", "a") as held:

@@ -179,6 +179,9 @@ def test_model_shape_benchmark_runs_on_random_weights_of_that_shape(tmp_path, ca
 
     assert results["settings"]["dtype"] == ("bfloat16" if fast_bf16() else "float32")
     assert results["environment"]["device"] == "cpu"
+    # The figures trace to the host kind: the kernels' ISA, and the default dtype this run used.
+    host = results["environment"]["host_cpu"]
+    assert host["kernel_isa"] and host["cpu_default_dtype"] == results["settings"]["dtype"]
 
 
 def test_model_shapes_write_checkpoints_both_engines_load(tmp_path, monkeypatch):

@@ -149,8 +149,11 @@ class CompiledDecoder:
     """The model's ``hidden_states`` compiled; called like the eager model (plus the backend)."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend) -> None:
-        # Inductor reads its cache folder from the environment when it first needs it.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
+        # Inductor reads its cache folder from the environment when it needs it. Importing torch._dynamo
+        # sets the variable to torch's default (a temporary folder): that value is not the user's choice.
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir("inductor"))
         # Dynamo keeps one compiled variant per model shape, dtype and token-count class (one, many)
         # under one code object; a process that builds engines of several models (tests, benchmarks)
         # passes its default of 8, and with fullgraph=True that is an error, not a fallback.
@@ -190,11 +193,25 @@ class CompiledDecoder:
             hidden = self._hidden(input_ids, positions, kv_caches, None)
         return self.model.logits(hidden, logits_indices)
 
-    def warm_up(self, run_step: Callable[[int], None]) -> float:
-        """Compile every graph a step can need (one token, and many); returns the seconds taken."""
+    def warm_up(self, steps: list, run_step: Callable[[list], None]) -> float:
+        """Run ``steps`` (engine.warm_up.WarmUpStep) with ``run_step(chunks)``: the first one-token and
+        the first many-token step compile the model's two graphs, the others run every path a real
+        step takes (nothing is left to compile for the first request). Returns the seconds taken."""
         t0 = time.perf_counter()
-        for num_tokens in (1, 2):
-            run_step(num_tokens)
+        cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        graphs: set[bool] = set()
+        for i, step in enumerate(steps, 1):
+            many = sum(c.num_tokens for c in step.chunks) > 1
+            compiles = many not in graphs
+            graphs.add(many)
+            # One line a step: Ray forwards a replica's output line by line (a progress bar's
+            # carriage returns would show only when it ends).
+            logger.info("warming up the compiled model: step %d of %d (%s)%s", i, len(steps), step.name,
+                        f": compiling its graph, {len(graphs)} of 2 (a first start compiles for minutes; "
+                        f"later starts read {cache})" if compiles else "")
+            t = time.perf_counter()
+            run_step(step.chunks)
+            logger.info("warm-up step %d of %d done in %.1f s", i, len(steps), time.perf_counter() - t)
         seconds = time.perf_counter() - t0
-        logger.info("model compiled in %.1f s (inductor cache %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        logger.info("model compiled and warmed up in %.1f s (inductor cache %s)", seconds, cache)
         return seconds
