@@ -1,4 +1,5 @@
-"""The engine's C++ CPU kernels (engine/csrc): paged attention, K/V writes (int8 too), AMX linear layers.
+"""The engine's C++ CPU kernels (engine/csrc): paged attention, K/V writes (int8 too), AMX linear layers,
+linear layers over GGUF block-quantized weights.
 
 The library is compiled with ``-march=native`` by ``torch.utils.cpp_extension`` into
 ``$SLOTSERVE_CACHE/kernels`` (default ``~/.cache/slotserve/kernels``) the first time a process
@@ -26,7 +27,8 @@ from engine.cpu_features import cpu_flags, kernel_isa
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "kv_write.cpp", "attention_step.cpp", "amx_linear.cpp"))
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "kv_write.cpp", "attention_step.cpp", "amx_linear.cpp",
+                                           "gguf_linear.cpp"))
 HEADERS = tuple(CSRC / name for name in ("kv_layout.h", "score_int8.h", "values_int8.h", "vec.h"))
 # -ffast-math at compile time only: it lets the compiler vectorize reductions and expf; linked
 # without it, the library does not switch the process to flush-to-zero.

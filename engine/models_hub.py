@@ -63,6 +63,23 @@ BUILTIN_NAMES = ("smollm2-135m", "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2
 BUILTIN_MODELS: dict[str, BuiltinModel] = {name.lower(): _SMOLLM2 for name in BUILTIN_NAMES}
 
 
+def resolve_gguf(name_or_path: str, model_dir: Path, gguf_file: str | None) -> Path:
+    """The GGUF file that ``quantization: gguf`` reads: ``gguf_file``, else the built-in model's own,
+    else the only ``*.gguf`` file in ``model_dir``."""
+    if gguf_file is not None:
+        path = Path(gguf_file).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"gguf_file {gguf_file!r} is not a file")
+        return path
+    builtin = BUILTIN_MODELS.get(str(name_or_path).strip().lower())
+    if builtin is not None:
+        return _package_dir(builtin) / builtin.gguf_file
+    found = sorted(model_dir.glob("*.gguf"))
+    if len(found) != 1:
+        raise ModelLoadError(f"quantization gguf: {model_dir} holds {len(found)} *.gguf files; name one with gguf_file")
+    return found[0]
+
+
 def default_cache_dir() -> Path:
     """`$SLOTSERVE_CACHE` if set, else ~/.cache/slotserve/models."""
     env = os.environ.get(CACHE_ENV)

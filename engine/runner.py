@@ -21,6 +21,7 @@ import torch
 
 from engine.attention import create_backend
 from engine.attention.block_table import BlockTable
+from engine.errors import ModelLoadError
 from engine.attention.metadata import build_step_inputs, order_chunks
 from engine.config import EngineConfig
 from engine.cpu_features import fast_bf16
@@ -75,9 +76,13 @@ class ModelRunner:
                                       arch.head_dim, self.block_size, self.dtype, config.cache.kv_cache_dtype)
         t0 = time.perf_counter()
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = str(self.dtype).removeprefix("torch.")
+        if config.model.quantization == "gguf":
+            weights = self._attach_gguf(model_path)
+        quantized = (b for name, b in self.model.named_buffers() if name.endswith("qweight"))
+        self.param_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *quantized))
         logger.info("weights loaded in %.1f s: %s, %.0f MiB in %s", time.perf_counter() - t0, model_path.name,
-                    self.param_bytes / (1 << 20), str(self.dtype).removeprefix("torch."))
+                    self.param_bytes / (1 << 20), weights)
         self.lora: LoRAModel | None = None
         if config.lora is not None:
             lora = config.lora
@@ -124,6 +129,17 @@ class ModelRunner:
                 self.graphs.capture()
         self.send_step: Callable[[list], None] | None = None
         """Rank 0 with tensor parallelism: hands each step to the other ranks before running it."""
+
+    def _attach_gguf(self, model_path: Path) -> str:
+        from engine.model.quant import attach_gguf
+        from engine.models_hub import resolve_gguf
+        if self.device.type != "cpu":
+            raise ModelLoadError("quantization gguf runs on CPU (GPU checkpoints: fp8 and int4 are planned)")
+        if self.config.lora is not None:
+            raise ModelLoadError("quantization gguf does not take LoRA adapters yet")
+        path = resolve_gguf(self.config.model.model, model_path, self.config.model.gguf_file)
+        types = attach_gguf(self.model, path)
+        return f"{', '.join(f'{n} {t}' for t, n in sorted(types.items()))} tensors from {path.name}"
 
     def _warm_up(self) -> float:
         """Every path a step can take (engine.warm_up), on throwaway sequences in the pool's first

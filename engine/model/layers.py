@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cpu_features import fast_bf16
+from engine.model.quant import quant_linear
 from engine.parallel import ParallelGroup
 
 
@@ -97,6 +98,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _quantizable(module: nn.Module) -> None:
+    """Room for GGUF blocks (engine.model.quant.attach_gguf): ``qweight`` [out, bytes] and its type."""
+    module.register_buffer("qweight", None, persistent=False)
+    module.qtype = None
+
+
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
@@ -123,16 +130,21 @@ class LinearBase(nn.Module):
                               self.weight_loader)
         self.bias = (_attach(nn.Parameter(torch.empty(out_features), requires_grad=False), self.weight_loader)
                      if bias else None)
+        _quantizable(self)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         _copy_checked(param, _whole(loaded), type(self).__name__)
 
     def prepack(self, batch_hint: int, amx: bool = False) -> None:
+        if self.qweight is not None:  # served from its quantized blocks
+            return
         self.amx = pack_amx(self.weight) if amx else None
         self.packed = pack_weight(self.weight, batch_hint)
         self.weight.data = self.weight.data.new_empty(0)
 
     def _linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        if self.qweight is not None:
+            return self._quant_linear(x, with_bias)
         if torch.compiler.is_compiling():
             if self.packed is not None:  # a packed oneDNN weight cannot be traced: the graph names the layer
                 out = self.packed_op(x, self.packed_index, self.packed.shape[0], with_bias)
@@ -146,6 +158,12 @@ class LinearBase(nn.Module):
         out = linear(x, self.weight, self.bias if with_bias else None, self.packed, self.amx)
         delta = self.lora.delta(x) if self.lora is not None else None
         return out if delta is None else out.add_(delta)
+
+    def _quant_linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        if self.lora is not None:
+            raise RuntimeError("LoRA adapters on a GGUF-quantized layer are not supported yet")
+        out = quant_linear(x, self.qweight, self.qtype)
+        return out + self.bias if with_bias and self.bias is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, True)
@@ -264,12 +282,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed: torch.Tensor | None = None
     amx: torch.Tensor | None = None
 
+    def __init__(self, vocab_size: int, hidden: int, group: ParallelGroup) -> None:
+        super().__init__(vocab_size, hidden, group)
+        _quantizable(self)
+
     def prepack(self, batch_hint: int, amx: bool = False) -> None:
         """Packed copies; the dense weight stays (tied embeddings read it)."""
+        if self.qweight is not None:
+            return
         self.amx = pack_amx(self.weight) if amx else None
         self.packed = pack_weight(self.weight, batch_hint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.qweight is not None:
+            return self.group.gather_last_dim(quant_linear(hidden, self.qweight, self.qtype))
         return self.group.gather_last_dim(linear(hidden, self.weight, None, self.packed, self.amx))
 
 

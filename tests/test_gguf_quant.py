@@ -1,0 +1,167 @@
+"""``quantization: gguf``: linear layers multiply a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks in place.
+
+The files are written here with the ``gguf`` package (llama.cpp's own writer and quantizers), in
+llama.cpp's layout (Llama q/k rows interleaved for its rotary). The oracle is HF transformers
+running the de-quantized weights in float32: the kernel computes with exactly those values, so
+greedy tokens agree and logits differ by summation order only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import ModelLoadError
+from tests.factories import make_model
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+PROJ = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+        "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order for Llama."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf, path, types: dict[str, object], head_type=Q.Q8_0) -> None:
+    """Quantize ``hf``'s linear layers into ``path`` (type per projection) and put the de-quantized
+    values back into ``hf``, so that it becomes the oracle."""
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    state = hf.state_dict()
+    tensors = {}
+    for i in range(cfg.num_hidden_layers):
+        for proj, short in PROJ.items():
+            part = "self_attn" if short.startswith("attn") else "mlp"
+            name = f"model.layers.{i}.{part}.{proj}.weight"
+            w = state[name].numpy()
+            heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(proj)
+            blocks = gguf.quants.quantize(_interleave(w, heads) if heads else w, types[proj])
+            tensors[f"blk.{i}.{short}.weight"] = (blocks, types[proj])
+            back = gguf.quants.dequantize(blocks, types[proj])
+            state[name].copy_(torch.from_numpy(_interleave_back(back, heads) if heads else back))
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    blocks = gguf.quants.quantize(state[head].numpy(), head_type)
+    tensors["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"] = (blocks, head_type)
+    state[head].copy_(torch.from_numpy(gguf.quants.dequantize(blocks, head_type)))
+    if not cfg.tie_word_embeddings:
+        tensors["token_embd.weight"] = (state["model.embed_tokens.weight"].numpy(), None)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _interleave_back(w: np.ndarray, heads: int) -> np.ndarray:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_kernel_matches_gguf_dequantize(qtype):
+    from engine.cpu_kernels import load_kernel
+    from engine.model.quant import QUANT_MAX_ROWS, quant_linear
+    ops = load_kernel()
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((96, 64), (40, 160)):
+        w = torch.randn(n, k, generator=gen).numpy()
+        blocks = torch.from_numpy(gguf.quants.quantize(w, qtype))
+        reference = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).copy())
+        assert torch.equal(ops.gguf_dequantize(blocks, int(qtype), k), reference)
+        for rows in (1, 2, 7, 8, 9, QUANT_MAX_ROWS + 3):  # every tile remainder and the GEMM path
+            x = torch.randn(rows, k, generator=gen)
+            expected = (x.double() @ reference.double().T).float()
+            torch.testing.assert_close(quant_linear(x, blocks, int(qtype)), expected, rtol=1e-5, atol=1e-4)
+
+
+MIXED = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_0, "v_proj": Q.Q4_0, "o_proj": Q.Q8_0,
+         "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q4_1}
+
+
+def _model_dir(tmp_path, types, tie: bool):
+    hf = make_model("llama", seed=3, hidden=64, layers=2, heads=4, kv_heads=2, tie=tie)
+    write_gguf(hf, tmp_path / "model.gguf", types)
+    hf.save_pretrained(tmp_path, safe_serialization=True)  # the de-quantized weights: the oracle's
+    return hf
+
+
+def _hf_greedy(hf, prompt, n):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[5, 9, 200, 17], list(range(3, 60)), [300] * 3, list(range(100, 140, 3))]
+
+
+@pytest.mark.parametrize("tie,types,eager", [
+    (False, MIXED, True),
+    (True, {p: Q.Q4_1 for p in PROJ}, False),  # the default model's kind: Q4_1, a tied Q8_0 head; compiled
+], ids=["mixed-untied-eager", "q4_1-tied-compiled"])
+def test_greedy_matches_hf_on_dequantized_weights(tmp_path, tie, types, eager):
+    hf = _model_dir(tmp_path, types, tie)
+    llm = LLM(str(tmp_path), quantization="gguf", dtype="float32", block_size=8, num_kv_blocks=64,
+              max_num_seqs=4, enforce_eager=eager)
+    runner = llm.engine.runner
+    layers = [m for m in runner.model.modules() if getattr(m, "qweight", None) is not None]
+    assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    assert all(m.weight.numel() == 0 for m in layers if m is not runner.model.lm_head)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8) for p in PROMPTS]
+    llm.engine.block_manager.check_invariants()
+
+
+def test_logits_match_dequantized_model(tmp_path):
+    from engine.model.quant import attach_gguf
+    hf = _model_dir(tmp_path, MIXED, tie=False)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=4, enforce_eager=True)
+    model = llm.engine.runner.model
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    dense = model.lm_head(hidden), model.layers[0].mlp(hidden), model.layers[1].self_attn.qkv_proj(hidden)
+    attach_gguf(model, tmp_path / "model.gguf")
+    quantized = model.lm_head(hidden), model.layers[0].mlp(hidden), model.layers[1].self_attn.qkv_proj(hidden)
+    for got, expected in zip(quantized, dense):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    del hf
+
+
+def test_bad_files_name_the_tensor(tmp_path):
+    from engine.model.quant import GGUFFile
+    _model_dir(tmp_path, {**MIXED, "down_proj": Q.F16}, tie=False)
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_down\.weight is F16"):
+        LLM(str(tmp_path), quantization="gguf", dtype="float32", num_kv_blocks=16, enforce_eager=True)
+    file = GGUFFile(tmp_path / "model.gguf")
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q\.weight \(Q4_0\) holds .* expects \[32, 64\]"):
+        file.quantized("blk.0.attn_q.weight", 32, 64)
+    with pytest.raises(ModelLoadError, match="no tensor blk.9.attn_q.weight"):
+        file.quantized("blk.9.attn_q.weight", 64, 64)
+    data = (tmp_path / "model.gguf").read_bytes()
+    (tmp_path / "model.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        GGUFFile(tmp_path / "model.gguf")
+    (tmp_path / "model.gguf").unlink()
+    with pytest.raises(ModelLoadError, match="holds 0 \\*.gguf files"):
+        LLM(str(tmp_path), quantization="gguf", dtype="float32", num_kv_blocks=16, enforce_eager=True)
+
+
+def test_benchmark_compares_both_weight_formats(tmp_path):
+    import json
+
+    from benchmarks.quantized import main
+    from tests.factories import build_tokenizer
+    _model_dir(tmp_path, MIXED, tie=False)
+    build_tokenizer().save_pretrained(tmp_path)  # the benchmark's prompts are text
+    out = tmp_path / "quantized.json"
+    assert main(["--model", str(tmp_path), "--levels", "1,2", "--max-tokens", "4", "--rounds", "1", "--eager",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["systems"]) == {"dequantized", "gguf"}
+    assert report["systems"]["gguf"]["weight_mib"] < report["systems"]["dequantized"]["weight_mib"]
+    assert set(report["speedup"]) == {"1", "2"} and report["environment"]["host_cpu"]["kernel_isa"]
