@@ -79,7 +79,7 @@ class ModelRunner:
         weights = str(self.dtype).removeprefix("torch.")
         if config.model.quantization == "gguf":
             weights = self._attach_gguf(model_path)
-        quantized = (b for name, b in self.model.named_buffers() if name.endswith("qweight"))
+        quantized = (b for name, b in self.model.named_buffers() if name.rsplit(".", 1)[-1] in ("qweight", "qscale", "qmin"))
         self.param_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *quantized))
         logger.info("weights loaded in %.1f s: %s, %.0f MiB in %s", time.perf_counter() - t0, model_path.name,
                     self.param_bytes / (1 << 20), weights)

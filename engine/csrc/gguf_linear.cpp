@@ -15,14 +15,15 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 
+#include "gguf_blocks.h"
 #include "vec.h"
 
-#include <immintrin.h>
 
 namespace {
 
@@ -30,29 +31,9 @@ using slotserve::vfloat;
 using slotserve::vint;
 using slotserve::W;
 
-constexpr int64_t kBlock = 32;  // weights in one block, every type here
-constexpr int kTile = 8;        // input rows sharing each widened block (8 accumulators + the block fit the registers)
+using namespace slotserve::gguf;
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
-
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "GGUF quant type ", qtype, " has no kernel (Q4_0=2, Q4_1=3, Q8_0=8 do)");
-  }
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
+constexpr int kTile = 8;  // input rows sharing each widened block (8 accumulators + the block fit the registers)
 
 // Bytes widened to int32 lanes. Spelled with intrinsics: GCC scalarizes __builtin_convertvector from
 // bytes (one insert a lane), which made the widening cost more than the multiply-adds it feeds.
@@ -117,14 +98,13 @@ template <int64_t QT, int R>
 void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t k_blocks, int64_t n0,
           int64_t n1, float* out, int64_t ldo) {
   constexpr int64_t kVecs = kBlock / W;
-  constexpr int64_t kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     vfloat acc[R];
     for (int r = 0; r < R; ++r) acc[r] = vfloat{};
     for (int64_t b = 0; b < k_blocks; ++b) {
       vfloat wv[kVecs];
-      widen_block<QT>(row + b * kBytes, wv);
+      widen_block<QT>(row + b * kBytes<QT>, wv);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * ldx + b * kBlock;
         for (int64_t v = 0; v < kVecs; ++v) acc[r] += wv[v] * slotserve::load(xr + v * W);
@@ -148,42 +128,12 @@ void rows(const float* x, int64_t ldx, int64_t m, const uint8_t* w, int64_t row_
   if (m == R) tile<QT, R>(x, ldx, w, row_bytes, k_blocks, n0, n1, out, ldo);
 }
 
-void check_weight(const at::Tensor& blocks, int64_t qtype, int64_t k) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "GGUF weight blocks must be a contiguous uint8 [N, bytes] tensor");
-  TORCH_CHECK(k % kBlock == 0, "GGUF weight: K=", k, " is not a multiple of the block size 32");
-  TORCH_CHECK(blocks.size(1) == k / kBlock * block_bytes(qtype), "GGUF weight: rows of ", blocks.size(1),
-              " bytes do not hold K=", k, " weights of type ", qtype);
-}
-
-// out [M, N] float32 = x [M, K] float32 @ dequantize(blocks [N, K/32 * block bytes])^T
-void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be float32 [M, K], rows contiguous");
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  check_weight(blocks, qtype, k);
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == m && out.size(1) == n &&
-                  out.stride(1) == 1, "out must be float32 [M, N], rows contiguous");
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = blocks.size(1), k_blocks = k / kBlock, ldx = x.stride(0), ldo = out.stride(0);
-  // Chunks of 16 weight rows: a few KB that stay in L1 while every tile of x passes over them.
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    switch (qtype) {
-      case kQ4_0: rows<kQ4_0>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
-      case kQ4_1: rows<kQ4_1>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
-      default: rows<kQ8_0>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
-    }
-  });
-}
-
 template <int64_t QT>
 void widen_rows(const uint8_t* w, int64_t row_bytes, int64_t k_blocks, int64_t n0, int64_t n1, float* out) {
-  constexpr int64_t kBytes = QT == kQ4_0 ? 18 : QT == kQ4_1 ? 20 : 34;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t b = 0; b < k_blocks; ++b) {
       vfloat wv[kBlock / W];
-      widen_block<QT>(w + n * row_bytes + b * kBytes, wv);
+      widen_block<QT>(w + n * row_bytes + b * kBytes<QT>, wv);
       std::memcpy(out + (n * k_blocks + b) * kBlock, wv, sizeof(wv));
     }
   }
@@ -208,12 +158,58 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t k) {
 
 }  // namespace
 
+namespace slotserve::gguf {
+
+// out [M, N] float32 = x [M, K] float32 @ dequantize(blocks [N, K/32 * block bytes])^T
+void linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be float32 [M, K], rows contiguous");
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  check_weight(blocks, qtype, k);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == m && out.size(1) == n &&
+                  out.stride(1) == 1, "out must be float32 [M, N], rows contiguous");
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = blocks.size(1), k_blocks = k / kBlock, ldx = x.stride(0), ldo = out.stride(0);
+  // Chunks of 16 weight rows: a few KB that stay in L1 while every tile of x passes over them.
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    switch (qtype) {
+      case kQ4_0: rows<kQ4_0>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
+      case kQ4_1: rows<kQ4_1>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
+      default: rows<kQ8_0>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
+    }
+  });
+}
+
+}  // namespace slotserve::gguf
+
+namespace {
+
+// x [M, K] @ W^T for a compiled graph or an eager step, in x's dtype: steps of up to max_rows rows
+// through the block kernel, larger ones through one GEMM over the de-quantized weight. One C++ op:
+// a layer call is one dispatch, no Python.
+at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t max_rows) {
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor out;
+  if (x32.size(0) <= max_rows) {
+    out = at::empty({x32.size(0), blocks.size(0)}, x32.options());
+    slotserve::gguf::linear_f32(out, x32, blocks, qtype);
+  } else {
+    out = at::mm(x32, gguf_dequantize(blocks, qtype, x32.size(1)).t());
+  }
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(slotserve_cpu, m) {
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype) -> ()");
   m.def("gguf_dequantize(Tensor blocks, int qtype, int k) -> Tensor");
+  m.def("gguf_mm(Tensor x, Tensor blocks, int qtype, int max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(slotserve_cpu, CPU, m) {
-  m.impl("gguf_linear", gguf_linear);
+  m.impl("gguf_linear", slotserve::gguf::linear_f32);
   m.impl("gguf_dequantize", gguf_dequantize);
+  m.impl("gguf_mm", gguf_mm);
 }

@@ -100,7 +100,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 
 def _quantizable(module: nn.Module) -> None:
     """Room for GGUF blocks (engine.model.quant.attach_gguf): ``qweight`` [out, bytes] and its type."""
-    module.register_buffer("qweight", None, persistent=False)
+    for name in ("qweight", "qscale", "qmin"):  # qscale, qmin: packed for the int8 kernel
+        module.register_buffer(name, None, persistent=False)
     module.qtype = None
 
 
@@ -162,7 +163,7 @@ class LinearBase(nn.Module):
     def _quant_linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
         if self.lora is not None:
             raise RuntimeError("LoRA adapters on a GGUF-quantized layer are not supported yet")
-        out = quant_linear(x, self.qweight, self.qtype)
+        out = quant_linear(x, self)
         return out + self.bias if with_bias and self.bias is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -295,7 +296,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.qweight is not None:
-            return self.group.gather_last_dim(quant_linear(hidden, self.qweight, self.qtype))
+            return self.group.gather_last_dim(quant_linear(hidden, self))
         return self.group.gather_last_dim(linear(hidden, self.weight, None, self.packed, self.amx))
 
 

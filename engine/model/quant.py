@@ -4,24 +4,28 @@ A decode step reads every weight once, so its floor is the weights' bytes over t
 bandwidth: the default model's Q4_1 file holds its linear layers in 5 bits a weight, against
 the 32 of the float32 model the converted checkpoint holds. With ``quantization: gguf`` the
 checkpoint still supplies the configuration, norms and embedding rows; each linear layer (and
-the LM head) instead keeps the file's blocks as they are and multiplies them in place
-(engine/csrc/gguf_linear.cpp). The weights served are the file's values exactly (the built-in
-model's converted checkpoint holds them rounded to bfloat16).
+the LM head) instead holds the file's blocks and multiplies them in place:
 
-Inputs of up to ``QUANT_MAX_ROWS`` rows (decode steps) go through the kernel; larger ones
-(prefill chunks) de-quantize the layer's weight for the one GEMM (a few hundred microseconds
-for a layer of the default model, small beside a GEMM of that many rows).
+- where the CPU has AVX-512 VNNI, packed once at load (``pack_int8``) for int8 dot products with
+  activations quantized per 32-block, as llama.cpp does (engine/csrc/gguf_linear_int8.cpp);
+- elsewhere, the file's blocks as they are, widened to float32 in registers beside the FMAs
+  (engine/csrc/gguf_linear.cpp): exactly the file's values, summed in another order.
+
+The built-in model's converted checkpoint holds the file's values rounded to bfloat16; the blocks
+are the values themselves. Steps of more than ``QUANT_MAX_ROWS`` rows (prefill chunks) de-quantize
+the layer's weight for one GEMM: a few hundred microseconds a layer of the default model, small
+beside a GEMM of that many rows.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 
@@ -31,35 +35,69 @@ KERNEL_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 """GGUF quant types multiplied in place: name -> (ggml type id, bytes per 32-weight block)."""
 
 QUANT_MAX_ROWS = 32
-"""Inputs of at most this many rows use the block kernel; larger ones de-quantize the layer for one
-GEMM. One 1536x576 Q4_1 layer on the 2-core AVX-512 VNNI host: the kernel takes 0.12 / 0.71 / 2.5 ms
-at 1 / 16 / 64 rows, de-quantizing and the GEMM 0.4 / 1.4-2.2 / 1.5-1.9 ms."""
+"""Inputs of at most this many rows use a block kernel; larger ones de-quantize the layer for one
+GEMM. One 1536x576 Q4_1 layer, weights in cache, on the 2-core AVX-512 VNNI host: the int8 kernel
+takes 0.05 / 0.42 / 0.71 / 1.5 ms at 1 / 16 / 32 / 64 rows, the float32 one 0.07-0.12 / 0.41-0.71 /
+0.75-0.91 / 1.6-2.5 ms, de-quantizing and the GEMM 0.4 / 1.3-2.2 / - / 1.5-1.9 ms."""
 
-_lib = torch.library.Library("slotserve", "FRAGMENT")
-_lib.define("gguf_linear(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor")
-
-
-def _gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    x32 = x.float().contiguous()
-    if x.shape[0] <= QUANT_MAX_ROWS:
-        out = x32.new_empty(x.shape[0], blocks.shape[0])
-        torch.ops.slotserve_cpu.gguf_linear(out, x32, blocks, qtype)
-    else:
-        out = F.linear(x32, torch.ops.slotserve_cpu.gguf_dequantize(blocks, qtype, in_features))
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+INT8_ACTIVATIONS = True
+"""Where the CPU has AVX-512 VNNI: weights packed at load (``pack_int8``) and steps of up to
+``QUANT_MAX_ROWS`` rows multiplied with activations quantized per block to int8
+(engine/csrc/gguf_linear_int8.cpp); False keeps the file's blocks and widens them to float32."""
 
 
-_lib.impl("gguf_linear", _gguf_linear, "CompositeExplicitAutograd")
+def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """``x @ W.T`` for a layer that holds GGUF blocks (``attach_gguf``), in ``x``'s dtype."""
+    if layer.qscale is not None:
+        return torch.ops.slotserve_cpu.gguf_mm_packed(x, layer.qweight, layer.qscale, layer.qmin, layer.qtype,
+                                                      QUANT_MAX_ROWS)
+    return torch.ops.slotserve_cpu.gguf_mm(x, layer.qweight, layer.qtype, QUANT_MAX_ROWS)
 
 
-@torch.library.register_fake("slotserve::gguf_linear", lib=_lib)
-def _gguf_linear_shape(x, blocks, qtype, in_features):
-    return x.new_empty(x.shape[0], blocks.shape[0])
+def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tensor's blocks as the int8 kernel reads them: (quants, float32 scales, float32 minimums), the
+    block count padded to a multiple of 4 with zero blocks; Q4 quants in groups of 4 blocks, blocks 0-1
+    in the low nibbles of the group's 64 bytes and 2-3 in the high ones."""
+    n, nb = rows.shape[0], in_features // 32
+    padded = -(-nb // 4) * 4
+    blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][1])
+    scales = np.zeros((n, padded), np.float32)
+    scales[:, :nb] = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    mins = np.zeros((n, padded), np.float32)
+    if type_name == "Q8_0":
+        quants = np.zeros((n, padded, 32), np.int8)
+        quants[:, :nb] = blocks[:, :, 2:].view(np.int8)
+        return torch.from_numpy(quants.reshape(n, -1)), torch.from_numpy(scales), torch.from_numpy(mins)
+    start = 4 if type_name == "Q4_1" else 2
+    packed = blocks[:, :, start:start + 16]
+    weights = np.zeros((n, padded, 32), np.uint8)
+    weights[:, :nb] = np.concatenate([packed & 15, packed >> 4], axis=2)
+    mins[:, :nb] = blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if type_name == "Q4_1" else -8 * scales[:, :nb]
+    groups = weights.reshape(n, padded // 4, 2, 64)
+    quants = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, -1)
+    return torch.from_numpy(np.ascontiguousarray(quants)), torch.from_numpy(scales), torch.from_numpy(mins)
 
 
-def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """``x @ W.T`` for a weight held as GGUF blocks (``attach_gguf``)."""
-    return torch.ops.slotserve.gguf_linear(x, blocks, qtype, x.shape[-1])
+@functools.cache
+def _load_ops() -> None:
+    """The kernel library, with the shape function a compiled graph traces ``gguf_mm`` with."""
+    from engine.cpu_kernels import compiler_problem, load_kernel
+    problem = compiler_problem()
+    if problem is not None:
+        raise ModelLoadError(f"quantization gguf needs the CPU kernel library: {problem}")
+    load_kernel()
+
+    @torch.library.register_fake("slotserve_cpu::gguf_mm")
+    def _(x, blocks, qtype, max_rows):
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("slotserve_cpu::gguf_mm_packed")
+    def _(x, quants, scales, mins, qtype, max_rows):
+        return x.new_empty(x.shape[0], scales.shape[0])
+
+
+def _int8() -> bool:
+    return INT8_ACTIVATIONS and torch.ops.slotserve_cpu.gguf_int8_ready()
 
 
 @dataclass(frozen=True)
@@ -108,14 +146,25 @@ class GGUFFile:
         return GGUFTensor(name, type_name, rows)
 
 
-def _attach(layer, parts: list[GGUFTensor]) -> None:
+def _hold(module, tensor: GGUFTensor | list[GGUFTensor], in_features: int) -> None:
+    """Give ``module`` the tensor's blocks (packed for the int8 kernel where it runs), as buffers so that
+    a compiled graph takes them as inputs, like weights."""
+    parts = tensor if isinstance(tensor, list) else [tensor]
     kinds = {p.type_name for p in parts}
     if len(kinds) != 1:
         raise ModelLoadError(f"{', '.join(p.name for p in parts)} have different types ({', '.join(sorted(kinds))}); "
                              "a fused layer needs one")
-    layer.qtype = KERNEL_TYPES[kinds.pop()][0]
-    # A buffer (engine.model.layers registers it), so a compiled graph takes the blocks as an input.
-    layer.qweight = torch.from_numpy(np.concatenate([p.rows for p in parts]))
+    kind = kinds.pop()
+    module.qtype = KERNEL_TYPES[kind][0]
+    rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else np.array(parts[0].rows)
+    if _int8():
+        module.qweight, module.qscale, module.qmin = pack_int8(rows, kind, in_features)
+    else:
+        module.qweight = torch.from_numpy(rows)
+
+
+def _attach(layer, parts: list[GGUFTensor]) -> None:
+    _hold(layer, parts, layer.in_features)
     layer.weight.data = layer.weight.data.new_empty(0)
 
 
@@ -124,11 +173,7 @@ def attach_gguf(model, path: Path) -> dict[str, int]:
     count of tensors per GGUF type."""
     if model.embed_tokens.group.world_size > 1:
         raise ModelLoadError("quantization gguf needs tensor_parallel_size 1 (sharding blocks is not built yet)")
-    from engine.cpu_kernels import compiler_problem, load_kernel
-    problem = compiler_problem()
-    if problem is not None:
-        raise ModelLoadError(f"quantization gguf needs the CPU kernel library: {problem}")
-    load_kernel()
+    _load_ops()
     file, arch = GGUFFile(path), model.arch
     d, hidden, inter = arch.head_dim, arch.hidden_size, arch.intermediate_size
     types: dict[str, int] = {}
@@ -155,8 +200,7 @@ def attach_gguf(model, path: Path) -> dict[str, int]:
     except ModelLoadError as exc:  # an LM head in a type without a kernel stays dense
         logger.info("LM head stays dense: %s", exc)
     else:
-        lm_head.qtype = KERNEL_TYPES[tensor.type_name][0]
-        lm_head.qweight = torch.from_numpy(np.array(tensor.rows))  # a copy: the reader maps the file
+        _hold(lm_head, tensor, hidden)
         if not tied:
             lm_head.weight.data = lm_head.weight.data.new_empty(0)
     return types
