@@ -156,9 +156,10 @@ def test_greedy_matches_hf_on_dequantized_weights(tmp_path, monkeypatch, tie, ty
               max_num_seqs=4, enforce_eager=eager)
     runner = llm.engine.runner
     layers = [m for m in runner.model.modules() if getattr(m, "qweight", None) is not None]
-    assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    # qkv, o, gate_up, down per layer, the LM head and the embedding (a Q8_0 token_embd when tied)
+    assert len(layers) == 2 * 4 + 1 + tie
     assert all((m.qscale is not None) == int8 for m in layers)
-    assert all(m.weight.numel() == 0 for m in layers if m is not runner.model.lm_head)
+    assert all(m.weight.numel() == 0 for m in layers)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
     expected = [_hf_greedy(hf, p, 8) for p in PROMPTS]

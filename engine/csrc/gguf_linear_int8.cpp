@@ -4,7 +4,7 @@
 // Here the activations are quantized per 32-block to int8 once a call (a float scale each, as
 // llama.cpp's Q8 activations), and one VPDPBUSD multiplies 64 weight bytes by 64 activation bytes.
 // The file's blocks are packed once at load (engine/model/quant.py, pack_int8) so that the loop does
-// little but that: float32 scales (and minimums) apart from the quants; Q4 quants in groups of 4 blocks
+// little but that: the float16 scales (and minimums) apart from the quants, widened 4 or 16 at a time; Q4 quants in groups of 4 blocks
 // whose 64 bytes hold blocks 0-1 in their low nibbles and 2-3 in their high ones (one mask, one shift
 // and mask give both unsigned operands); Q8_0 quants contiguous. The blocks' offsets (Q4_0's -8 x scale,
 // Q4_1's minimum) times the activations' block sums are one more dot product a row. Q8_0 is signed on
@@ -73,10 +73,11 @@ Activations quantize(const at::Tensor& x, int64_t blocks) {
 }
 
 // Per row of x, the blocks' offsets (Q4_0's -8 x scale, Q4_1's minimum) times its block sums.
-inline __m512 offsets(const float* mins, const float* sums, int64_t blocks, __m512 acc) {
+inline __m512 offsets(const c10::Half* mins, const float* sums, int64_t blocks, __m512 acc) {
   for (int64_t b = 0; b < blocks; b += 16) {
     const __mmask16 mask = blocks - b >= 16 ? 0xFFFF : (1u << (blocks - b)) - 1;
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, mins + b), _mm512_maskz_loadu_ps(mask, sums + b), acc);
+    const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + b));
+    acc = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, sums + b), acc);
   }
   return acc;
 }
@@ -86,7 +87,7 @@ inline __m512 offsets(const float* mins, const float* sums, int64_t blocks, __m5
 // byte j - 64's high one, so two masks give blocks 0-1 and 2-3 as the unsigned operand. Q8_0: pairs
 // of blocks, signed, the activations flipped to unsigned and the flip's 128 x the weights' sums taken out.
 template <int64_t QT, int R>
-void tile(const Activations& a, int64_t r0, const uint8_t* qw, const float* sw, const float* mw, int64_t n0,
+void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* sw, const c10::Half* mw, int64_t n0,
           int64_t n1, float* out, int64_t ldo) {
   const int64_t nb = a.blocks, row_bytes = QT == kQ8_0 ? nb * kBlock : nb * kBlock / 2;
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -94,14 +95,14 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const float* sw, 
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(2));
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = qw + n * row_bytes;
-    const float* scales = sw + n * nb;
+    const c10::Half* scales = sw + n * nb;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     if constexpr (QT == kQ8_0) {
       for (int64_t b = 0; b < nb; b += 2) {
         const __m512i wv = _mm512_loadu_si512(row + b * kBlock);
         const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, wv));
-        const __m512 dw = _mm512_permutexvar_ps(first, _mm512_castps128_ps512(_mm_loadu_ps(scales + b)));
+        const __m512 dw = _mm512_permutexvar_ps(first, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadu_si32(scales + b))));
         for (int r = 0; r < R; ++r) {
           const __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(a.q + (r0 + r) * a.kp + b * kBlock), flip);
           const __m512 s = _mm512_mul_ps(dw, _mm512_loadu_ps(a.scale + ((r0 + r) * nb + b) * 8));
@@ -112,7 +113,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const float* sw, 
       for (int64_t b = 0; b < nb; b += 4) {
         const __m512i v = _mm512_loadu_si512(row + b * kBlock / 2);
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const __m512 d4 = _mm512_castps128_ps512(_mm_loadu_ps(scales + b));
+        const __m512 d4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + b))));
         const __m512 da = _mm512_permutexvar_ps(first, d4), db = _mm512_permutexvar_ps(second, d4);
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = a.q + (r0 + r) * a.kp + b * kBlock;
@@ -131,7 +132,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const float* sw, 
 
 // Activation rows [r0, m): tiles of kTile, then one tile of the remainder.
 template <int64_t QT, int R = kTile>
-void rows(const Activations& a, int64_t r0, int64_t m, const uint8_t* qw, const float* sw, const float* mw,
+void rows(const Activations& a, int64_t r0, int64_t m, const uint8_t* qw, const c10::Half* sw, const c10::Half* mw,
           int64_t n0, int64_t n1, float* out, int64_t ldo) {
   if constexpr (R == kTile) {
     for (; m - r0 >= kTile; r0 += kTile) tile<QT, kTile>(a, r0, qw, sw, mw, n0, n1, out, ldo);
@@ -144,12 +145,12 @@ void rows(const Activations& a, int64_t r0, int64_t m, const uint8_t* qw, const 
 
 // The packed weight de-quantized, [N, K] float32 (steps of many rows run one GEMM over it).
 template <int64_t QT>
-void widen_rows(const uint8_t* qw, const float* sw, const float* mw, int64_t nb, int64_t k, int64_t n0, int64_t n1,
+void widen_rows(const uint8_t* qw, const c10::Half* sw, const c10::Half* mw, int64_t nb, int64_t k, int64_t n0, int64_t n1,
                 float* out) {
   const int64_t row_bytes = QT == kQ8_0 ? nb * kBlock : nb * kBlock / 2;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t b = 0; b < k / kBlock; ++b) {
-      const __m512 d = _mm512_set1_ps(sw[n * nb + b]);
+      const __m512 d = _mm512_set1_ps(static_cast<float>(sw[n * nb + b]));
       float* o = out + n * k + b * kBlock;
       __m512i w0, w1;
       if constexpr (QT == kQ8_0) {
@@ -164,7 +165,7 @@ void widen_rows(const uint8_t* qw, const float* sw, const float* mw, int64_t nb,
         const __m512i fifteen = _mm512_set1_epi32(15);
         w0 = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), shift), fifteen);
         w1 = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))), shift), fifteen);
-        const __m512 m = _mm512_set1_ps(mw[n * nb + b]);
+        const __m512 m = _mm512_set1_ps(static_cast<float>(mw[n * nb + b]));
         _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(w0), d, m));
         _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(w1), d, m));
       }
@@ -183,14 +184,14 @@ namespace slotserve::gguf {
 namespace {
 void check_packed(const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins, int64_t qtype) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "GGUF quant type ", qtype, " has no packed kernel");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(1) % 4 == 0,
-              "packed scales must be contiguous float32 [N, blocks], blocks a multiple of 4");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(1) % 4 == 0,
+              "packed scales must be contiguous float16 [N, blocks], blocks a multiple of 4");
   const int64_t n = scales.size(0), nb = scales.size(1);
   TORCH_CHECK(quants.dim() == 2 && quants.is_contiguous() && quants.element_size() == 1 && quants.size(0) == n &&
                   quants.size(1) == (qtype == kQ8_0 ? nb * kBlock : nb * kBlock / 2),
               "packed quants must be contiguous bytes [N, blocks x ", qtype == kQ8_0 ? 32 : 16, "]");
-  TORCH_CHECK(qtype == kQ8_0 || (mins.sizes() == scales.sizes() && mins.scalar_type() == at::kFloat && mins.is_contiguous()),
-              "packed minimums must be float32 [N, blocks] like the scales");
+  TORCH_CHECK(qtype == kQ8_0 || (mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous()),
+              "packed minimums must be float16 [N, blocks] like the scales");
 }
 }  // namespace
 
@@ -207,7 +208,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& quants,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const Activations a = quantize(x, scales.size(1));
   const uint8_t* qw = static_cast<const uint8_t*>(quants.data_ptr());
-  const float *sw = scales.data_ptr<float>(), *mw = qtype == kQ8_0 ? nullptr : mins.data_ptr<float>();
+  const c10::Half *sw = scales.data_ptr<c10::Half>(), *mw = qtype == kQ8_0 ? nullptr : mins.data_ptr<c10::Half>();
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
@@ -225,10 +226,10 @@ at::Tensor dequantize_packed(const at::Tensor& quants, const at::Tensor& scales,
   check_packed(quants, scales, mins, qtype);
   TORCH_CHECK(k % kBlock == 0 && k <= scales.size(1) * kBlock, "K must be a multiple of 32 within the weight's");
   const int64_t n = scales.size(0), nb = scales.size(1);
-  at::Tensor out = at::empty({n, k}, scales.options());
+  at::Tensor out = at::empty({n, k}, scales.options().dtype(at::kFloat));
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const uint8_t* qw = static_cast<const uint8_t*>(quants.data_ptr());
-  const float *sw = scales.data_ptr<float>(), *mw = qtype == kQ8_0 ? nullptr : mins.data_ptr<float>();
+  const c10::Half *sw = scales.data_ptr<c10::Half>(), *mw = qtype == kQ8_0 ? nullptr : mins.data_ptr<c10::Half>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
     if (qtype == kQ8_0) {

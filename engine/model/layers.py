@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cpu_features import fast_bf16
-from engine.model.quant import quant_linear
+from engine.model.quant import quant_linear, quant_rows
 from engine.parallel import ParallelGroup
 
 
@@ -259,6 +259,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = group.rank * self.shard_size
         self.weight = _attach(nn.Parameter(torch.empty(self.shard_size, hidden), requires_grad=False),
                               self.weight_loader)
+        _quantizable(self)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         rows = _shape(loaded)[0]
@@ -267,6 +268,8 @@ class VocabParallelEmbedding(nn.Module):
         _copy_checked(param, _part(loaded, 0, self.start, self.shard_size), type(self).__name__)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:  # GGUF rows, de-quantized as they are looked up (one rank)
+            return quant_rows(ids, self).to(self.weight.dtype)  # the emptied dense weight keeps the model's dtype
         if self.group.world_size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -282,10 +285,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed: torch.Tensor | None = None
     amx: torch.Tensor | None = None
-
-    def __init__(self, vocab_size: int, hidden: int, group: ParallelGroup) -> None:
-        super().__init__(vocab_size, hidden, group)
-        _quantizable(self)
 
     def prepack(self, batch_hint: int, amx: bool = False) -> None:
         """Packed copies; the dense weight stays (tied embeddings read it)."""

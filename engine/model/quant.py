@@ -54,16 +54,25 @@ def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
     return torch.ops.slotserve_cpu.gguf_mm(x, layer.qweight, layer.qtype, QUANT_MAX_ROWS)
 
 
+def quant_rows(ids: torch.Tensor, layer) -> torch.Tensor:
+    """Rows ``ids`` of a layer's GGUF weight, de-quantized to float32 (an embedding's lookup)."""
+    hidden = layer.hidden
+    if layer.qscale is not None:
+        return torch.ops.slotserve_cpu.gguf_dequantize_packed(layer.qweight[ids], layer.qscale[ids], layer.qmin[ids],
+                                                              layer.qtype, hidden)
+    return torch.ops.slotserve_cpu.gguf_dequantize(layer.qweight[ids], layer.qtype, hidden)
+
+
 def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A tensor's blocks as the int8 kernel reads them: (quants, float32 scales, float32 minimums), the
+    """A tensor's blocks as the int8 kernel reads them: (quants, float16 scales, float16 minimums), the
     block count padded to a multiple of 4 with zero blocks; Q4 quants in groups of 4 blocks, blocks 0-1
     in the low nibbles of the group's 64 bytes and 2-3 in the high ones."""
     n, nb = rows.shape[0], in_features // 32
     padded = -(-nb // 4) * 4
     blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][1])
-    scales = np.zeros((n, padded), np.float32)
+    scales = np.zeros((n, padded), np.float16)
     scales[:, :nb] = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-    mins = np.zeros((n, padded), np.float32)
+    mins = np.zeros((n, padded), np.float16)
     if type_name == "Q8_0":
         quants = np.zeros((n, padded, 32), np.int8)
         quants[:, :nb] = blocks[:, :, 2:].view(np.int8)
@@ -72,6 +81,7 @@ def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch
     packed = blocks[:, :, start:start + 16]
     weights = np.zeros((n, padded, 32), np.uint8)
     weights[:, :nb] = np.concatenate([packed & 15, packed >> 4], axis=2)
+    # Q4_0's offset, -8 x its scale, is exact in float16 (a power of two times a float16).
     mins[:, :nb] = blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if type_name == "Q4_1" else -8 * scales[:, :nb]
     groups = weights.reshape(n, padded // 4, 2, 64)
     quants = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, -1)
@@ -94,6 +104,14 @@ def _load_ops() -> None:
     @torch.library.register_fake("slotserve_cpu::gguf_mm_packed")
     def _(x, quants, scales, mins, qtype, max_rows):
         return x.new_empty(x.shape[0], scales.shape[0])
+
+    @torch.library.register_fake("slotserve_cpu::gguf_dequantize")
+    def _(blocks, qtype, k):
+        return blocks.new_empty(blocks.shape[0], k, dtype=torch.float32)
+
+    @torch.library.register_fake("slotserve_cpu::gguf_dequantize_packed")
+    def _(quants, scales, mins, qtype, k):
+        return quants.new_empty(quants.shape[0], k, dtype=torch.float32)
 
 
 def _int8() -> bool:
@@ -192,15 +210,21 @@ def attach_gguf(model, path: Path) -> dict[str, int]:
         _attach(mlp.gate_up_proj, [take(f"blk.{i}.ffn_gate.weight", inter, hidden),
                                    take(f"blk.{i}.ffn_up.weight", inter, hidden)])
         _attach(mlp.down_proj, [take(f"blk.{i}.ffn_down.weight", hidden, inter)])
+    embed, lm_head = model.embed_tokens, model.lm_head
+    tied = lm_head.weight is embed.weight
     head = "output.weight" if "output.weight" in file.tensors else "token_embd.weight"
-    lm_head = model.lm_head
-    tied = lm_head.weight is model.embed_tokens.weight
-    try:
-        tensor = take(head, arch.vocab_size, hidden)
-    except ModelLoadError as exc:  # an LM head in a type without a kernel stays dense
-        logger.info("LM head stays dense: %s", exc)
-    else:
-        _hold(lm_head, tensor, hidden)
-        if not tied:
-            lm_head.weight.data = lm_head.weight.data.new_empty(0)
+    for module, name in ((lm_head, head), (embed, "token_embd.weight")):
+        if module is embed and tied and lm_head.qweight is not None:  # one tensor serves both
+            module.qtype, module.qweight, module.qscale, module.qmin = (
+                lm_head.qtype, lm_head.qweight, lm_head.qscale, lm_head.qmin)
+        else:
+            try:
+                _hold(module, take(name, arch.vocab_size, hidden), hidden)
+            except ModelLoadError as exc:  # a type without a kernel stays dense
+                logger.info("%s stays dense: %s", name, exc)
+                continue
+        module.hidden = hidden
+    for module in (lm_head, embed):
+        if module.qweight is not None and not (tied and (lm_head.qweight is None or embed.qweight is None)):
+            module.weight.data = module.weight.data.new_empty(0)
     return types
