@@ -15,6 +15,11 @@ if not torch.cuda.is_available():
 # Engines run eagerly unless a test asks for the compiled model (engine.model.compiled): compiling
 # costs seconds to minutes per engine. Set here, so Ray processes started by tests inherit it too.
 os.environ["SLOTSERVE_ENFORCE_EAGER"] = "1"
+# Routing tests assert which replica serves a request. Serve skips a replica whose queue-length
+# probe misses its deadline (0.1 s by default) and takes the next rank; on a loaded 2-core host the
+# first probe of a new handle can take longer than that. Set before ray is imported (and inherited
+# by the Ray processes the tests start).
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
 
 
 @pytest.fixture(scope="session")

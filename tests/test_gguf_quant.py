@@ -1,7 +1,9 @@
-"""``quantization: gguf``: linear layers multiply a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks in place.
+"""``quantization: gguf``: linear layers multiply a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K
+blocks in place.
 
-The files are written here with the ``gguf`` package (llama.cpp's own writer and quantizers), in
-llama.cpp's layout (Llama q/k rows interleaved for its rotary). The oracle is HF transformers
+The files are written here with the ``gguf`` package (llama.cpp's own writer and quantizers; k-quant
+blocks are drawn at random, as ``gguf`` has no quantizer for them), in llama.cpp's layout (Llama q/k
+rows interleaved for its rotary). The oracle is HF transformers
 running the de-quantized weights in float32: the kernel computes with exactly those values, so
 greedy tokens agree and logits differ by summation order only.
 """
@@ -40,12 +42,12 @@ def write_gguf(hf, path, types: dict[str, object], head_type=Q.Q8_0) -> None:
             name = f"model.layers.{i}.{part}.{proj}.weight"
             w = state[name].numpy()
             heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(proj)
-            blocks = gguf.quants.quantize(_interleave(w, heads) if heads else w, types[proj])
+            blocks = _quantize(_interleave(w, heads) if heads else w, types[proj])
             tensors[f"blk.{i}.{short}.weight"] = (blocks, types[proj])
             back = gguf.quants.dequantize(blocks, types[proj])
             state[name].copy_(torch.from_numpy(_interleave_back(back, heads) if heads else back))
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    blocks = gguf.quants.quantize(state[head].numpy(), head_type)
+    blocks = _quantize(state[head].numpy(), head_type)
     tensors["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"] = (blocks, head_type)
     state[head].copy_(torch.from_numpy(gguf.quants.dequantize(blocks, head_type)))
     if not cfg.tie_word_embeddings:
@@ -56,6 +58,30 @@ def write_gguf(hf, path, types: dict[str, object], head_type=Q.Q8_0) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+K_QUANTS = (Q.Q4_K, Q.Q6_K)
+
+
+def k_blocks(w: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
+    """Random k-quant super-blocks for a weight of ``w``'s shape, their values about ``w``'s spread."""
+    rng = np.random.default_rng(seed)
+    n, k = w.shape
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    std = float(w.std())
+    if qtype == Q.Q4_K:  # w = d sc q - dmin m: sc, m in [0, 64), q in [0, 16)
+        d = np.float16(std / 240)
+        blocks[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+        blocks[..., 2:4] = np.frombuffer(np.float16(d * 7.5).tobytes(), np.uint8)
+    else:  # Q6_K: w = d sc (q - 32), sc an int8
+        d = (rng.uniform(0.5, 1.5, (n, k // 256)) * std / 1024).astype(np.float16)
+        blocks[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
+def _quantize(w: np.ndarray, qtype) -> np.ndarray:
+    return k_blocks(w, qtype) if qtype in K_QUANTS else gguf.quants.quantize(w, qtype)
 
 
 def _interleave_back(w: np.ndarray, heads: int) -> np.ndarray:
@@ -71,14 +97,14 @@ def _int8_ready() -> bool:
     return _ops().gguf_int8_ready()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, *K_QUANTS], ids=lambda t: t.name)
 def test_float32_kernel_matches_gguf_dequantize(qtype):
     from engine.model.quant import QUANT_MAX_ROWS
     ops = _ops()
     gen = torch.Generator().manual_seed(0)
-    for n, k in ((96, 64), (40, 160)):
+    for n, k in ((96, 256), (40, 768)) if qtype in K_QUANTS else ((96, 64), (40, 160)):
         w = torch.randn(n, k, generator=gen).numpy()
-        blocks = torch.from_numpy(gguf.quants.quantize(w, qtype))
+        blocks = torch.from_numpy(_quantize(w, qtype))
         reference = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).copy())
         assert torch.equal(ops.gguf_dequantize(blocks, int(qtype), k), reference)
         for rows in (1, 2, 7, 8, 9, QUANT_MAX_ROWS + 3):  # every tile remainder and the GEMM path
@@ -117,9 +143,9 @@ MIXED = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_0, "v_proj": Q.Q4_0, "o_proj": Q.Q8_0,
          "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q4_1}
 
 
-def _model_dir(tmp_path, types, tie: bool):
-    hf = make_model("llama", seed=3, hidden=64, layers=2, heads=4, kv_heads=2, tie=tie)
-    write_gguf(hf, tmp_path / "model.gguf", types)
+def _model_dir(tmp_path, types, tie: bool, hidden: int = 64, head_type=Q.Q8_0):
+    hf = make_model("llama", seed=3, hidden=hidden, layers=2, heads=4, kv_heads=2, tie=tie)
+    write_gguf(hf, tmp_path / "model.gguf", types, head_type)
     hf.save_pretrained(tmp_path, safe_serialization=True)  # the de-quantized weights: the oracle's
     return hf
 
@@ -174,6 +200,31 @@ def test_greedy_matches_hf_on_dequantized_weights(tmp_path, monkeypatch, tie, ty
     llm.engine.block_manager.check_invariants()
 
 
+Q4_K_M = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.F32,
+          "gate_proj": Q.Q5_0, "up_proj": Q.Q5_1, "down_proj": Q.Q6_K}
+"""llama.cpp's Q4_K_M mix: Q6_K for v and down beside Q4_K (the fused qkv layer holds two types), Q5
+where its quantizer falls back from a k-quant, and an unquantized layer, which keeps the checkpoint's
+weights."""
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_k_quants_greedy_match_hf(tmp_path, eager):
+    """Q4_K, Q6_K (256-weight super-blocks), Q5_0 and Q5_1 go through the float32 kernel on every host:
+    exactly the file's values, so greedy tokens are HF's on the de-quantized weights."""
+    hf = _model_dir(tmp_path, Q4_K_M, tie=False, hidden=256, head_type=Q.Q6_K)
+    llm = LLM(str(tmp_path), quantization="gguf", dtype="float32", block_size=8, num_kv_blocks=64,
+              max_num_seqs=4, enforce_eager=eager)
+    model = llm.engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert [p.qtype for p in qkv.qparts] == [int(Q.Q4_K), int(Q.Q4_K), int(Q.Q6_K)] and qkv.weight.numel() == 0
+    assert model.layers[0].self_attn.o_proj.qtype is None  # dense (oneDNN-packed here)
+    assert model.lm_head.qtype == int(Q.Q6_K) and model.embed_tokens.qtype is None  # an F32 token_embd
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8) for p in PROMPTS]
+    llm.engine.block_manager.check_invariants()
+
+
 def test_layers_match_dequantized_model(tmp_path, monkeypatch):
     import engine.model.quant as quant
     from engine.model.quant import attach_gguf
@@ -192,8 +243,11 @@ def test_layers_match_dequantized_model(tmp_path, monkeypatch):
 
 def test_bad_files_name_the_tensor(tmp_path):
     from engine.model.quant import GGUFFile
-    _model_dir(tmp_path, {**MIXED, "down_proj": Q.F16}, tie=False)
-    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_down\.weight is F16"):
+    _model_dir(tmp_path, {**MIXED, "down_proj": Q.MXFP4}, tie=False)
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_down\.weight is MXFP4; .* keeps F32, F16, BF16 dense"):
+        LLM(str(tmp_path), quantization="gguf", dtype="float32", num_kv_blocks=16, enforce_eager=True)
+    _model_dir(tmp_path, {**MIXED, "up_proj": Q.F16}, tie=False)
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_up\.weight unquantized beside quantized blk\.0\.ffn_gate"):
         LLM(str(tmp_path), quantization="gguf", dtype="float32", num_kv_blocks=16, enforce_eager=True)
     file = GGUFFile(tmp_path / "model.gguf")
     with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q\.weight \(Q4_0\) holds .* expects \[32, 64\]"):

@@ -1,4 +1,5 @@
-// Linear layers over GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), read in place.
+// Linear layers over GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), read in
+// place.
 //
 // A decode step reads every weight once: its floor is the weights' bytes over the memory
 // bandwidth. Q4_1 is 5 bits a weight against float32's 32, so these kernels keep the file's
@@ -63,15 +64,75 @@ inline vint widen_s8(const uint8_t* p) {
 #endif
 }
 
-// The 32 weights of one block as kBlock / W float vectors, in order.
+// Q4_K's 6-bit scale and minimum of sub-block j, packed in 12 bytes: j < 4 in the low 6 bits of
+// bytes j and j + 4; j >= 4 in the nibbles of byte j + 4, with their top 2 bits above bytes j - 4 and j.
+inline void q4k_scale_min(const uint8_t* s, int64_t j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Weights [32b, 32b + 32) of a row as kBlock / W float vectors, in order.
 template <int64_t QT>
-inline void widen_block(const uint8_t* block, vfloat* out) {
+inline void widen_block(const uint8_t* row, int64_t b, vfloat* out) {
   constexpr int64_t kVecs = kBlock / W;
-  const float d = half_at(block);
-  if constexpr (QT == kQ8_0) {
+  if constexpr (QT == kQ4_K) {
+    // Super-block: float16 d and dmin, 12 bytes of scales, 128 bytes of quants; bytes [32c, 32c + 32)
+    // hold sub-block 2c in their low nibbles and 2c + 1 in their high ones. w = d sc q - dmin m.
+    const uint8_t* sb = row + (b >> 3) * kBytes<QT>;
+    const int64_t j = b & 7;
+    int sc, m;
+    q4k_scale_min(sb + 4, j, sc, m);
+    const float ds = half_at(sb) * sc, dm = half_at(sb + 2) * m;
+    const uint8_t* qs = sb + 16 + 32 * (j >> 1);
+    const int shift = 4 * (j & 1);
+    for (int64_t v = 0; v < kVecs; ++v)
+      out[v] = __builtin_convertvector((widen_u8(qs + v * W) >> shift) & 15, vfloat) * ds - dm;
+  } else if constexpr (QT == kQ6_K) {
+    // Super-block: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16
+    // weights), float16 d. Sub-block j = 4h + 2n + p: low nibbles in ql[64h + 32p, +32) (the high
+    // nibble when n is 1), high bits in qh[32h, +32) at bit 2(2n + p). w = d sc (q - 32).
+    const uint8_t* sb = row + (b >> 3) * kBytes<QT>;
+    const int64_t j = b & 7, h = j >> 2, n = (j >> 1) & 1, p = j & 1;
+    const uint8_t* ql = sb + 64 * h + 32 * p;
+    const uint8_t* qh = sb + 128 + 32 * h;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(sb + 192) + 2 * j;
+    const float d = half_at(sb + 208);
+    const int lo = 4 * n, hi = 2 * (j & 3);
+    for (int64_t v = 0; v < kVecs; ++v) {
+      const vint q = (((widen_u8(ql + v * W) >> lo) & 15) | (((widen_u8(qh + v * W) >> hi) & 3) << 4)) - 32;
+      out[v] = __builtin_convertvector(q, vfloat) * (d * scales[v * W / 16]);
+    }
+  } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {
+    // Like Q4_0 / Q4_1, with each weight's fifth bit in a 32-bit word before the nibbles: bit j for
+    // weight j. Q5_0 is centred on 16: w = d (q - 16); Q5_1: w = d q + m.
+    const uint8_t* block = row + b * kBytes<QT>;
+    const float d = half_at(block);
+    const float m = QT == kQ5_1 ? half_at(block + 2) : -16.0f * d;
+    const uint8_t* hp = block + (QT == kQ5_1 ? 4 : 2);
+    uint32_t bits;
+    std::memcpy(&bits, hp, 4);
+    vint lane;
+    for (int64_t i = 0; i < W; ++i) lane[i] = static_cast<int32_t>(i);
+    const vint high = vint{} + static_cast<int32_t>(bits);
+    for (int64_t h = 0; h < kVecs / 2; ++h) {
+      const vint q = widen_u8(hp + 4 + h * W);
+      const vint at = lane + static_cast<int32_t>(h * W);
+      out[h] = __builtin_convertvector((q & 15) | (((high >> at) & 1) << 4), vfloat) * d + m;
+      out[h + kVecs / 2] = __builtin_convertvector((q >> 4) | (((high >> (at + 16)) & 1) << 4), vfloat) * d + m;
+    }
+  } else if constexpr (QT == kQ8_0) {
+    const uint8_t* block = row + b * kBytes<QT>;
+    const float d = half_at(block);
     for (int64_t v = 0; v < kVecs; ++v) out[v] = __builtin_convertvector(widen_s8(block + 2 + v * W), vfloat) * d;
   } else {
     // Byte j of the quants holds weight j in its low nibble and weight j + 16 in its high one.
+    const uint8_t* block = row + b * kBytes<QT>;
+    const float d = half_at(block);
     const float m = QT == kQ4_1 ? half_at(block + 2) : -8.0f * d;
     const uint8_t* qs = block + (QT == kQ4_1 ? 4 : 2);
     for (int64_t h = 0; h < kVecs / 2; ++h) {
@@ -104,7 +165,7 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int6
     for (int r = 0; r < R; ++r) acc[r] = vfloat{};
     for (int64_t b = 0; b < k_blocks; ++b) {
       vfloat wv[kVecs];
-      widen_block<QT>(row + b * kBytes<QT>, wv);
+      widen_block<QT>(row, b, wv);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * ldx + b * kBlock;
         for (int64_t v = 0; v < kVecs; ++v) acc[r] += wv[v] * slotserve::load(xr + v * W);
@@ -133,7 +194,7 @@ void widen_rows(const uint8_t* w, int64_t row_bytes, int64_t k_blocks, int64_t n
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t b = 0; b < k_blocks; ++b) {
       vfloat wv[kBlock / W];
-      widen_block<QT>(w + n * row_bytes + b * kBytes<QT>, wv);
+      widen_block<QT>(w + n * row_bytes, b, wv);
       std::memcpy(out + (n * k_blocks + b) * kBlock, wv, sizeof(wv));
     }
   }
@@ -150,6 +211,10 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t k) {
     switch (qtype) {
       case kQ4_0: widen_rows<kQ4_0>(wp, row_bytes, k_blocks, n0, n1, op); break;
       case kQ4_1: widen_rows<kQ4_1>(wp, row_bytes, k_blocks, n0, n1, op); break;
+      case kQ5_0: widen_rows<kQ5_0>(wp, row_bytes, k_blocks, n0, n1, op); break;
+      case kQ5_1: widen_rows<kQ5_1>(wp, row_bytes, k_blocks, n0, n1, op); break;
+      case kQ4_K: widen_rows<kQ4_K>(wp, row_bytes, k_blocks, n0, n1, op); break;
+      case kQ6_K: widen_rows<kQ6_K>(wp, row_bytes, k_blocks, n0, n1, op); break;
       default: widen_rows<kQ8_0>(wp, row_bytes, k_blocks, n0, n1, op); break;
     }
   });
@@ -176,6 +241,10 @@ void linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, 
     switch (qtype) {
       case kQ4_0: rows<kQ4_0>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
       case kQ4_1: rows<kQ4_1>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
+      case kQ5_0: rows<kQ5_0>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
+      case kQ5_1: rows<kQ5_1>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
+      case kQ4_K: rows<kQ4_K>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
+      case kQ6_K: rows<kQ6_K>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
       default: rows<kQ8_0>(xp, ldx, m, wp, row_bytes, k_blocks, n0, n1, op, ldo); break;
     }
   });

@@ -102,7 +102,8 @@ def _quantizable(module: nn.Module) -> None:
     """Room for GGUF blocks (engine.model.quant.attach_gguf): ``qweight`` [out, bytes] and its type."""
     for name in ("qweight", "qscale", "qmin"):  # qscale, qmin: packed for the int8 kernel
         module.register_buffer(name, None, persistent=False)
-    module.qtype = None
+    module.qtype = None  # set once quantized
+    module.qparts = None  # a fused layer's parts, where their types differ (engine.model.quant.QuantPart)
 
 
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:
@@ -137,14 +138,14 @@ class LinearBase(nn.Module):
         _copy_checked(param, _whole(loaded), type(self).__name__)
 
     def prepack(self, batch_hint: int, amx: bool = False) -> None:
-        if self.qweight is not None:  # served from its quantized blocks
+        if self.qtype is not None:  # served from its quantized blocks
             return
         self.amx = pack_amx(self.weight) if amx else None
         self.packed = pack_weight(self.weight, batch_hint)
         self.weight.data = self.weight.data.new_empty(0)
 
     def _linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
-        if self.qweight is not None:
+        if self.qtype is not None:
             return self._quant_linear(x, with_bias)
         if torch.compiler.is_compiling():
             if self.packed is not None:  # a packed oneDNN weight cannot be traced: the graph names the layer
@@ -161,8 +162,6 @@ class LinearBase(nn.Module):
         return out if delta is None else out.add_(delta)
 
     def _quant_linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
-        if self.lora is not None:
-            raise RuntimeError("LoRA adapters on a GGUF-quantized layer are not supported yet")
         out = quant_linear(x, self)
         return out + self.bias if with_bias and self.bias is not None else out
 

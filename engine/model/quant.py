@@ -31,8 +31,17 @@ from engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-KERNEL_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-"""GGUF quant types multiplied in place: name -> (ggml type id, bytes per 32-weight block)."""
+KERNEL_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+                "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
+"""GGUF quant types multiplied in place: name -> (ggml type id, weights per block, bytes per block).
+Q4_K_M, the most common download, is Q4_K with Q6_K for some layers (and the head); where a row is no
+multiple of 256 weights, llama.cpp's quantizer writes Q5_0 for Q4_K and Q8_0 for Q6_K."""
+
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+"""Types ``pack_int8`` lays out for the int8 kernel; Q5 and k-quants go through the float32 one."""
+
+DENSE_TYPES = ("F32", "F16", "BF16")
+"""Unquantized tensors: their layers keep the checkpoint's dense weights (the same values)."""
 
 QUANT_MAX_ROWS = 32
 """Inputs of at most this many rows use a block kernel; larger ones de-quantize the layer for one
@@ -48,6 +57,8 @@ INT8_ACTIVATIONS = True
 
 def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
     """``x @ W.T`` for a layer that holds GGUF blocks (``attach_gguf``), in ``x``'s dtype."""
+    if layer.qparts is not None:  # a fused layer whose parts differ in type: one product each
+        return torch.cat([quant_linear(x, part) for part in layer.qparts], dim=-1)
     if layer.qscale is not None:
         return torch.ops.slotserve_cpu.gguf_mm_packed(x, layer.qweight, layer.qscale, layer.qmin, layer.qtype,
                                                       QUANT_MAX_ROWS)
@@ -69,7 +80,7 @@ def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch
     in the low nibbles of the group's 64 bytes and 2-3 in the high ones."""
     n, nb = rows.shape[0], in_features // 32
     padded = -(-nb // 4) * 4
-    blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][1])
+    blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
     scales = np.zeros((n, padded), np.float16)
     scales[:, :nb] = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
     mins = np.zeros((n, padded), np.float16)
@@ -122,8 +133,9 @@ def _int8() -> bool:
 class GGUFTensor:
     name: str
     type_name: str
-    rows: np.ndarray
-    """``[out_features, bytes]`` for a quantized tensor (one row of blocks per output feature)."""
+    rows: np.ndarray | None
+    """``[out_features, bytes]`` for a quantized tensor (one row of blocks per output feature); None for
+    an unquantized one (``DENSE_TYPES``)."""
 
 
 def _reverse_permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -145,18 +157,24 @@ class GGUFFile:
         field = self.reader.get_field("general.architecture")
         self.architecture = bytes(field.parts[-1]).decode() if field is not None else None
 
+    def type_of(self, name: str) -> str | None:
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tensor.tensor_type.name
+
     def quantized(self, name: str, out_features: int, in_features: int, heads: int | None = None) -> GGUFTensor:
         tensor = self.tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"{self.path.name} has no tensor {name}")
         type_name = tensor.tensor_type.name
+        if type_name in DENSE_TYPES:
+            return GGUFTensor(name, type_name, None)
         if type_name not in KERNEL_TYPES:
             raise ModelLoadError(f"{self.path.name}: {name} is {type_name}; quantization gguf multiplies "
-                                 f"{', '.join(KERNEL_TYPES)} in place")
-        block_bytes = KERNEL_TYPES[type_name][1]
+                                 f"{', '.join(KERNEL_TYPES)} in place and keeps {', '.join(DENSE_TYPES)} dense")
+        _, per_block, block_bytes = KERNEL_TYPES[type_name]
         rows = np.asarray(tensor.data)
-        expected = (out_features, in_features // 32 * block_bytes)
-        if in_features % 32 or rows.shape != expected:
+        expected = (out_features, in_features // per_block * block_bytes)
+        if in_features % per_block or rows.shape != expected:
             raise ModelLoadError(f"{self.path.name}: {name} ({type_name}) holds {tuple(int(d) for d in tensor.shape)}"
                                  f" weights; the model expects [{out_features}, {in_features}]")
         if heads is not None and self.architecture == "llama":
@@ -164,31 +182,52 @@ class GGUFFile:
         return GGUFTensor(name, type_name, rows)
 
 
-def _hold(module, tensor: GGUFTensor | list[GGUFTensor], in_features: int) -> None:
-    """Give ``module`` the tensor's blocks (packed for the int8 kernel where it runs), as buffers so that
-    a compiled graph takes them as inputs, like weights."""
-    parts = tensor if isinstance(tensor, list) else [tensor]
+class QuantPart(torch.nn.Module):
+    """One part of a fused layer (q, k, v; gate, up) whose GGUF type differs from the others'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in ("qweight", "qscale", "qmin"):
+            self.register_buffer(name, None, persistent=False)
+        self.qtype, self.qparts = None, None
+
+
+def _hold(module, parts: list[GGUFTensor], in_features: int) -> None:
+    """Give ``module`` the tensors' blocks (packed for the int8 kernel where it runs), as buffers so that
+    a compiled graph takes them as inputs, like weights; parts of different types each get a
+    ``QuantPart``."""
     kinds = {p.type_name for p in parts}
-    if len(kinds) != 1:
-        raise ModelLoadError(f"{', '.join(p.name for p in parts)} have different types ({', '.join(sorted(kinds))}); "
-                             "a fused layer needs one")
+    if len(kinds) > 1:
+        module.qparts = torch.nn.ModuleList(QuantPart() for _ in parts)
+        for part, tensor in zip(module.qparts, parts):
+            _hold(part, [tensor], in_features)
+        module.qtype = -1  # quantized, in parts
+        return
     kind = kinds.pop()
     module.qtype = KERNEL_TYPES[kind][0]
     rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else np.array(parts[0].rows)
-    if _int8():
+    if _int8() and kind in INT8_TYPES:
         module.qweight, module.qscale, module.qmin = pack_int8(rows, kind, in_features)
     else:
         module.qweight = torch.from_numpy(rows)
 
 
 def _attach(layer, parts: list[GGUFTensor]) -> None:
+    dense = [p.name for p in parts if p.rows is None]
+    if len(dense) == len(parts):  # unquantized in the file: the checkpoint's weights are the same values
+        return
+    if dense:
+        quantized = ", ".join(p.name for p in parts if p.rows is not None)
+        raise ModelLoadError(f"{', '.join(dense)} unquantized beside quantized {quantized}: a fused layer "
+                             "is served dense or quantized, not both")
     _hold(layer, parts, layer.in_features)
     layer.weight.data = layer.weight.data.new_empty(0)
 
 
 def attach_gguf(model, path: Path) -> dict[str, int]:
-    """Give every linear layer of ``model`` (and its LM head) the blocks of ``path``; returns the
-    count of tensors per GGUF type."""
+    """Give every linear layer of ``model``, its LM head and its embedding the blocks of ``path`` (a head
+    or embedding of a type without a kernel keeps the checkpoint's dense rows); returns the count of
+    tensors per GGUF type."""
     if model.embed_tokens.group.world_size > 1:
         raise ModelLoadError("quantization gguf needs tensor_parallel_size 1 (sharding blocks is not built yet)")
     _load_ops()
@@ -218,11 +257,11 @@ def attach_gguf(model, path: Path) -> dict[str, int]:
             module.qtype, module.qweight, module.qscale, module.qmin = (
                 lm_head.qtype, lm_head.qweight, lm_head.qscale, lm_head.qmin)
         else:
-            try:
-                _hold(module, take(name, arch.vocab_size, hidden), hidden)
-            except ModelLoadError as exc:  # a type without a kernel stays dense
-                logger.info("%s stays dense: %s", name, exc)
+            kind = file.type_of(name)
+            if kind not in KERNEL_TYPES:  # the checkpoint's dense rows serve it
+                logger.info("%s is %s in %s: it stays dense", name, kind, path.name)
                 continue
+            _hold(module, [take(name, arch.vocab_size, hidden)], hidden)
         module.hidden = hidden
     for module in (lm_head, embed):
         if module.qweight is not None and not (tied and (lm_head.qweight is None or embed.qweight is None)):
