@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from benchmarks.gguf_kernels import blocks_of
 from engine.errors import ModelLoadError
 from tests.factories import make_model
 
@@ -63,25 +64,8 @@ def write_gguf(hf, path, types: dict[str, object], head_type=Q.Q8_0) -> None:
 K_QUANTS = (Q.Q4_K, Q.Q6_K)
 
 
-def k_blocks(w: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
-    """Random k-quant super-blocks for a weight of ``w``'s shape, their values about ``w``'s spread."""
-    rng = np.random.default_rng(seed)
-    n, k = w.shape
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-    std = float(w.std())
-    if qtype == Q.Q4_K:  # w = d sc q - dmin m: sc, m in [0, 64), q in [0, 16)
-        d = np.float16(std / 240)
-        blocks[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8)
-        blocks[..., 2:4] = np.frombuffer(np.float16(d * 7.5).tobytes(), np.uint8)
-    else:  # Q6_K: w = d sc (q - 32), sc an int8
-        d = (rng.uniform(0.5, 1.5, (n, k // 256)) * std / 1024).astype(np.float16)
-        blocks[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
-    return blocks.reshape(n, -1)
-
-
 def _quantize(w: np.ndarray, qtype) -> np.ndarray:
-    return k_blocks(w, qtype) if qtype in K_QUANTS else gguf.quants.quantize(w, qtype)
+    return blocks_of(w, qtype.name)
 
 
 def _interleave_back(w: np.ndarray, heads: int) -> np.ndarray:
@@ -261,6 +245,16 @@ def test_bad_files_name_the_tensor(tmp_path):
     (tmp_path / "model.gguf").unlink()
     with pytest.raises(ModelLoadError, match="holds 0 \\*.gguf files"):
         LLM(str(tmp_path), quantization="gguf", dtype="float32", num_kv_blocks=16, enforce_eager=True)
+
+
+def test_kernel_benchmark_times_every_type(tmp_path):
+    import json
+
+    from benchmarks.gguf_kernels import FLOAT32_TYPES, main
+    out = tmp_path / "kernels.json"
+    assert main(["--shape", "16,256", "--rows", "1,3", "--reps", "1", "--out", str(out)]) == 0
+    table = json.loads(out.read_text())["ms_per_call"]
+    assert set(table) == {"1", "3"} and set(FLOAT32_TYPES) | {"float32 dense"} <= set(table["1"])
 
 
 def test_benchmark_compares_both_weight_formats(tmp_path):

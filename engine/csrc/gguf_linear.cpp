@@ -163,12 +163,18 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int6
     const uint8_t* row = w + n * row_bytes;
     vfloat acc[R];
     for (int r = 0; r < R; ++r) acc[r] = vfloat{};
-    for (int64_t b = 0; b < k_blocks; ++b) {
-      vfloat wv[kVecs];
-      widen_block<QT>(row, b, wv);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * ldx + b * kBlock;
-        for (int64_t v = 0; v < kVecs; ++v) acc[r] += wv[v] * slotserve::load(xr + v * W);
+    // A k-quant's eight sub-blocks unrolled: each copy knows its sub-block, so the scale unpacking
+    // and the nibble choice fold to constants.
+    constexpr int64_t kSub = kWeights<QT> / kBlock;
+    for (int64_t s = 0; s < k_blocks; s += kSub) {
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kSub; ++j) {
+        vfloat wv[kVecs];
+        widen_block<QT>(row, s + j, wv);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * ldx + (s + j) * kBlock;
+          for (int64_t v = 0; v < kVecs; ++v) acc[r] += wv[v] * slotserve::load(xr + v * W);
+        }
       }
     }
     for (int r = 0; r < R; ++r) out[r * ldo + n] = sum(acc[r]);
