@@ -98,27 +98,34 @@ def test_float32_kernel_matches_gguf_dequantize(qtype):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
 def test_int8_kernel_within_the_activations_rounding(qtype):
     """Each output differs from the exact product by at most what rounding the activations to int8 per
-    block can move it: sum over blocks of half a step (amax / 127 / 2) times the block's |weights|."""
+    block can move it: sum over blocks of half a step (amax / 127 / 2) times the block's |weights|.
+    Q4_K is packed as Q4_1 blocks, its scales rounded to float16: checked within that rounding, and the
+    bound taken over the packed values."""
     if not _int8_ready():
         pytest.skip("the int8 kernel needs AVX-512 VNNI")
-    from engine.model.quant import QUANT_MAX_ROWS, pack_int8
+    from engine.model.quant import KERNEL_TYPES, PACKED_AS, QUANT_MAX_ROWS, pack_int8
     ops = _ops()
+    kernel_type = KERNEL_TYPES[PACKED_AS.get(qtype.name, qtype.name)][0]
     gen = torch.Generator().manual_seed(1)
-    for n, k in ((96, 64), (40, 160), (33, 576)):  # 2, 5 (padded to 8) and 18 blocks
+    # 2, 5 (padded to 8) and 18 blocks; Q4_K: 8 and 24 sub-blocks
+    for n, k in ((96, 256), (33, 768)) if qtype == Q.Q4_K else ((96, 64), (40, 160), (33, 576)):
         w = torch.randn(n, k, generator=gen).numpy()
-        blocks = gguf.quants.quantize(w, qtype)
-        reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy()).double()
+        blocks = _quantize(w, qtype)
+        exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
         packed = pack_int8(blocks, qtype.name, k)
-        torch.testing.assert_close(ops.gguf_dequantize_packed(*packed, int(qtype), k), reference.float(),
-                                   rtol=0, atol=1e-6)
+        unpacked = ops.gguf_dequantize_packed(*packed, kernel_type, k)
+        # Q4_K: d sc and dmin m rounded to float16 (2^-11 of each); a layout slip would be off by whole steps.
+        atol = exact.abs().max().item() * 2.0 ** -10 if qtype == Q.Q4_K else 1e-6
+        torch.testing.assert_close(unpacked, exact, rtol=0, atol=atol)
+        reference = unpacked.double()
         for rows in (1, 3, 8, 9, 17, QUANT_MAX_ROWS + 1):
             x = torch.randn(rows, k, generator=gen).double()
             step = x.view(rows, k // 32, 32).abs().amax(-1) / 127  # [rows, blocks]
             bound = (step / 2) @ reference.abs().view(n, k // 32, 32).sum(-1).T
-            got = ops.gguf_mm_packed(x.float(), *packed, int(qtype), QUANT_MAX_ROWS).double()
+            got = ops.gguf_mm_packed(x.float(), *packed, kernel_type, QUANT_MAX_ROWS).double()
             err = (got - x @ reference.T).abs()
             assert (err <= bound + 1e-4).all(), (rows, (err - bound).max().item())
 
@@ -175,13 +182,18 @@ def test_greedy_matches_hf_on_dequantized_weights(tmp_path, monkeypatch, tie, ty
     expected = [_hf_greedy(hf, p, 8) for p in PROMPTS]
     if not int8:
         assert [o.outputs[0].token_ids for o in outs] == expected
-    for out, want in zip(outs, expected):  # int8: a path may part from HF's only at a near tie
+    _assert_near_ties(outs, expected)
+    llm.engine.block_manager.check_invariants()
+
+
+def _assert_near_ties(outs, expected) -> None:
+    """int8: a path may part from HF's only where HF's token was within INT8_TIE of the engine's."""
+    for out, want in zip(outs, expected):
         got = out.outputs[0].token_ids
         split = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if split is not None:
             top = out.outputs[0].logprobs[split]
             assert want[split] in top and top[got[split]] - top[want[split]] < INT8_TIE, (split, top)
-    llm.engine.block_manager.check_invariants()
 
 
 Q4_K_M = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.F32,
@@ -191,21 +203,32 @@ where its quantizer falls back from a k-quant, and an unquantized layer, which k
 weights."""
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
-def test_k_quants_greedy_match_hf(tmp_path, eager):
-    """Q4_K, Q6_K (256-weight super-blocks), Q5_0 and Q5_1 go through the float32 kernel on every host:
-    exactly the file's values, so greedy tokens are HF's on the de-quantized weights."""
+@pytest.mark.parametrize("eager,int8", [(True, False), (False, False), (True, True)],
+                         ids=["float32-eager", "float32-compiled", "int8-eager"])
+def test_k_quants_greedy_match_hf(tmp_path, monkeypatch, eager, int8):
+    """Q4_K, Q6_K (256-weight super-blocks), Q5_0 and Q5_1 through the float32 kernel: exactly the
+    file's values, so greedy tokens are HF's on the de-quantized weights. With int8 activations, Q4_K's
+    sub-blocks are packed as Q4_1 blocks; the rest stays on the float32 kernel."""
+    import engine.model.quant as quant
+    if int8 and not _int8_ready():
+        pytest.skip("the int8 kernel needs AVX-512 VNNI")
+    monkeypatch.setattr(quant, "INT8_ACTIVATIONS", int8)
     hf = _model_dir(tmp_path, Q4_K_M, tie=False, hidden=256, head_type=Q.Q6_K)
     llm = LLM(str(tmp_path), quantization="gguf", dtype="float32", block_size=8, num_kv_blocks=64,
               max_num_seqs=4, enforce_eager=eager)
     model = llm.engine.runner.model
     qkv = model.layers[0].self_attn.qkv_proj
-    assert [p.qtype for p in qkv.qparts] == [int(Q.Q4_K), int(Q.Q4_K), int(Q.Q6_K)] and qkv.weight.numel() == 0
+    q4k = int(Q.Q4_1 if int8 else Q.Q4_K)  # the kernel's type: the packed form's
+    assert [p.qtype for p in qkv.qparts] == [q4k, q4k, int(Q.Q6_K)] and qkv.weight.numel() == 0
+    assert [p.qscale is not None for p in qkv.qparts] == [int8, int8, False]
     assert model.layers[0].self_attn.o_proj.qtype is None  # dense (oneDNN-packed here)
     assert model.lm_head.qtype == int(Q.Q6_K) and model.embed_tokens.qtype is None  # an F32 token_embd
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8) for p in PROMPTS]
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    expected = [_hf_greedy(hf, p, 8) for p in PROMPTS]
+    if not int8:
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    _assert_near_ties(outs, expected)
     llm.engine.block_manager.check_invariants()
 
 

@@ -37,8 +37,12 @@ KERNEL_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "
 Q4_K_M, the most common download, is Q4_K with Q6_K for some layers (and the head); where a row is no
 multiple of 256 weights, llama.cpp's quantizer writes Q5_0 for Q4_K and Q8_0 for Q6_K."""
 
-INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-"""Types ``pack_int8`` lays out for the int8 kernel; Q5 and k-quants go through the float32 one."""
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+"""Types ``pack_int8`` lays out for the int8 kernel; Q5 and Q6_K (a scale per 16 weights) go through
+the float32 one."""
+
+PACKED_AS = {"Q4_K": "Q4_1"}
+"""Types the int8 kernel reads in another type's packed form (the kernel's ``qtype``)."""
 
 DENSE_TYPES = ("F32", "F16", "BF16")
 """Unquantized tensors: their layers keep the checkpoint's dense weights (the same values)."""
@@ -74,26 +78,51 @@ def quant_rows(ids: torch.Tensor, layer) -> torch.Tensor:
     return torch.ops.slotserve_cpu.gguf_dequantize(layer.qweight[ids], layer.qtype, hidden)
 
 
+def _q4k_blocks(rows: np.ndarray, n: int, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks as 32-weight blocks of Q4_1's form: (quants [n, nb, 32] in order, float16
+    scales d sc, float16 minimums -dmin m [n, nb]). The float16 products round what the file's float32
+    ones keep (a relative 2^-11, an eighth of the activations' int8 step)."""
+    blocks = rows.reshape(n, nb // 8, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, nb / 8, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    s = blocks[..., 4:16]
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = blocks[..., 16:].reshape(n, nb // 8, 4, 1, 32)
+    quants = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nb, 32)
+    return (quants, (d * sc).astype(np.float16).reshape(n, nb), (-(dmin * m)).astype(np.float16).reshape(n, nb))
+
+
+def _q4_blocks(rows: np.ndarray, type_name: str, n: int, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0 / Q4_1 blocks as (quants [n, nb, 32] in order, float16 scales, float16 minimums [n, nb])."""
+    blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
+    scales = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    start = 4 if type_name == "Q4_1" else 2
+    packed = blocks[:, :, start:start + 16]
+    # Q4_0's offset, -8 x its scale, is exact in float16 (a power of two times a float16).
+    mins = blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if type_name == "Q4_1" else -8 * scales
+    return np.concatenate([packed & 15, packed >> 4], axis=2), scales, mins
+
+
 def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tensor's blocks as the int8 kernel reads them: (quants, float16 scales, float16 minimums), the
     block count padded to a multiple of 4 with zero blocks; Q4 quants in groups of 4 blocks, blocks 0-1
-    in the low nibbles of the group's 64 bytes and 2-3 in the high ones."""
+    in the low nibbles of the group's 64 bytes and 2-3 in the high ones. Q4_K's 32-weight sub-blocks
+    become blocks of Q4_1's form (``PACKED_AS``)."""
     n, nb = rows.shape[0], in_features // 32
     padded = -(-nb // 4) * 4
-    blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
     scales = np.zeros((n, padded), np.float16)
-    scales[:, :nb] = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
     mins = np.zeros((n, padded), np.float16)
     if type_name == "Q8_0":
+        blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
+        scales[:, :nb] = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
         quants = np.zeros((n, padded, 32), np.int8)
         quants[:, :nb] = blocks[:, :, 2:].view(np.int8)
         return torch.from_numpy(quants.reshape(n, -1)), torch.from_numpy(scales), torch.from_numpy(mins)
-    start = 4 if type_name == "Q4_1" else 2
-    packed = blocks[:, :, start:start + 16]
+    values, scales[:, :nb], mins[:, :nb] = (_q4k_blocks(rows, n, nb) if type_name == "Q4_K"
+                                            else _q4_blocks(rows, type_name, n, nb))
     weights = np.zeros((n, padded, 32), np.uint8)
-    weights[:, :nb] = np.concatenate([packed & 15, packed >> 4], axis=2)
-    # Q4_0's offset, -8 x its scale, is exact in float16 (a power of two times a float16).
-    mins[:, :nb] = blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if type_name == "Q4_1" else -8 * scales[:, :nb]
+    weights[:, :nb] = values
     groups = weights.reshape(n, padded // 4, 2, 64)
     quants = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, -1)
     return torch.from_numpy(np.ascontiguousarray(quants)), torch.from_numpy(scales), torch.from_numpy(mins)
@@ -208,6 +237,7 @@ def _hold(module, parts: list[GGUFTensor], in_features: int) -> None:
     rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else np.array(parts[0].rows)
     if _int8() and kind in INT8_TYPES:
         module.qweight, module.qscale, module.qmin = pack_int8(rows, kind, in_features)
+        module.qtype = KERNEL_TYPES[PACKED_AS.get(kind, kind)][0]
     else:
         module.qweight = torch.from_numpy(rows)
 
