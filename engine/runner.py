@@ -135,8 +135,6 @@ class ModelRunner:
         from engine.models_hub import resolve_gguf
         if self.device.type != "cpu":
             raise ModelLoadError("quantization gguf runs on CPU (GPU checkpoints: fp8 and int4 are planned)")
-        if self.config.lora is not None:
-            raise ModelLoadError("quantization gguf does not take LoRA adapters yet")
         path = resolve_gguf(self.config.model.model, model_path, self.config.model.gguf_file)
         types = attach_gguf(self.model, path)
         return f"{', '.join(f'{n} {t}' for t, n in sorted(types.items()))} tensors from {path.name}"

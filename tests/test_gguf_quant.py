@@ -232,6 +232,29 @@ def test_k_quants_greedy_match_hf(tmp_path, monkeypatch, eager, int8):
     llm.engine.block_manager.check_invariants()
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_lora_over_gguf_blocks_equals_hf_peft(tmp_path, monkeypatch, eager):
+    """An adapter's delta is added to the quantized base's product, as to a dense one: HF + PEFT on the
+    de-quantized weights is the oracle, base and adapter rows in one batch."""
+    import engine.model.quant as quant
+    from peft import PeftModel
+
+    from tests.factories import make_lora_dir
+    monkeypatch.setattr(quant, "INT8_ACTIVATIONS", False)
+    (tmp_path / "base").mkdir()
+    hf = _model_dir(tmp_path / "base", MIXED, tie=True)
+    adapter = make_lora_dir(tmp_path / "base", tmp_path / "lora", rank=4, seed=2, scale=0.5)
+    prompt = PROMPTS[1]
+    want = [_hf_greedy(hf, prompt, 8), _hf_greedy(PeftModel.from_pretrained(hf, adapter).eval(), prompt, 8)]
+    assert want[0] != want[1]
+    llm = LLM(str(tmp_path / "base"), quantization="gguf", dtype="float32", block_size=8, num_kv_blocks=64,
+              max_num_seqs=4, enforce_eager=eager, lora=dict(adapters={"a": str(adapter)}, max_lora_rank=4))
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        lora=[None, "a"])
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    llm.engine.block_manager.check_invariants()
+
+
 def test_layers_match_dequantized_model(tmp_path, monkeypatch):
     import engine.model.quant as quant
     from engine.model.quant import attach_gguf

@@ -145,25 +145,24 @@ class LinearBase(nn.Module):
         self.weight.data = self.weight.data.new_empty(0)
 
     def _linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
-        if self.qtype is not None:
-            return self._quant_linear(x, with_bias)
-        if torch.compiler.is_compiling():
-            if self.packed is not None:  # a packed oneDNN weight cannot be traced: the graph names the layer
-                out = self.packed_op(x, self.packed_index, self.packed.shape[0], with_bias)
-            else:
-                out = linear(x, self.weight, self.bias if with_bias else None, None)
-            if self.lora is not None:
-                if self.lora.index < 0:
-                    raise RuntimeError("LoRA weights were attached after the model was compiled")
-                out = out + torch.ops.slotserve.lora_delta(x, self.lora.index, out.shape[-1])
+        compiling = torch.compiler.is_compiling()
+        bias = self.bias if with_bias else None
+        if self.qtype is not None:  # the GGUF blocks (engine.model.quant)
+            out = quant_linear(x, self)
+            out = out if bias is None else out + bias
+        elif compiling and self.packed is not None:
+            # A packed oneDNN weight cannot be traced: the graph names the layer.
+            out = self.packed_op(x, self.packed_index, self.packed.shape[0], with_bias)
+        else:
+            out = linear(x, self.weight, bias, None if compiling else self.packed, None if compiling else self.amx)
+        if self.lora is None:
             return out
-        out = linear(x, self.weight, self.bias if with_bias else None, self.packed, self.amx)
-        delta = self.lora.delta(x) if self.lora is not None else None
+        if compiling:
+            if self.lora.index < 0:
+                raise RuntimeError("LoRA weights were attached after the model was compiled")
+            return out + torch.ops.slotserve.lora_delta(x, self.lora.index, out.shape[-1])
+        delta = self.lora.delta(x)
         return out if delta is None else out.add_(delta)
-
-    def _quant_linear(self, x: torch.Tensor, with_bias: bool) -> torch.Tensor:
-        out = quant_linear(x, self)
-        return out + self.bias if with_bias and self.bias is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, True)
