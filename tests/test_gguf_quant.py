@@ -255,6 +255,32 @@ def test_lora_over_gguf_blocks_equals_hf_peft(tmp_path, monkeypatch, eager):
     llm.engine.block_manager.check_invariants()
 
 
+def test_tensor_parallel_ranks_take_whole_blocks(tmp_path):
+    """tp 2: q/k/v, gate/up and the vocabulary split by rows, o and down by whole blocks of every row;
+    the tokens are tp 1's on the same file."""
+    from engine.model.quant import GGUFTensor
+    _model_dir(tmp_path, MIXED, tie=True)
+    options = dict(quantization="gguf", dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **options).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], params)]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **options)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+        rank0 = llm.engine.runner.model
+        # rank 0's share: 2 of 4 q heads and 1 of 2 KV heads (16 features each), half of o's input blocks
+        assert rank0.layers[0].self_attn.qkv_proj.qweight.shape[0] == 4 * 16 and rank0.lm_head.qweight.shape[0] == 256
+        o = rank0.layers[0].self_attn.o_proj  # Q8_0: one block of 34 bytes, or packed and padded to 4 x 32
+        assert o.qweight.shape[1] == (4 * 32 if o.qscale is not None else 34)
+    finally:
+        llm.shutdown()
+    assert got == want
+    rows = np.zeros((4, 2 * 144), np.uint8)  # Q4_K: 512 input features in two super-blocks
+    assert GGUFTensor("w", "Q4_K", rows).input_slice(256, 256).rows.shape == (4, 144)
+    with pytest.raises(ModelLoadError, match=r"w \(Q4_K\): tensor parallelism splits .* at 128, 256, inside"):
+        GGUFTensor("w", "Q4_K", rows).input_slice(128, 128)
+
+
 def test_layers_match_dequantized_model(tmp_path, monkeypatch):
     import engine.model.quant as quant
     from engine.model.quant import attach_gguf

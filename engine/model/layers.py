@@ -265,14 +265,17 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"embedding has {rows} rows, config says vocab_size {self.vocab_size}")
         _copy_checked(param, _part(loaded, 0, self.start, self.shard_size), type(self).__name__)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:  # GGUF rows, de-quantized as they are looked up (one rank)
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:  # GGUF rows, de-quantized as they are looked up
             return quant_rows(ids, self).to(self.weight.dtype)  # the emptied dense weight keeps the model's dtype
+        return F.embedding(ids, self.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.shard_size)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._rows(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.group.all_reduce(out)
 

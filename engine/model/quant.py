@@ -166,6 +166,22 @@ class GGUFTensor:
     """``[out_features, bytes]`` for a quantized tensor (one row of blocks per output feature); None for
     an unquantized one (``DENSE_TYPES``)."""
 
+    def output_slice(self, start: int, size: int) -> GGUFTensor:
+        """Output features [start, start + size): a column-parallel rank's rows, blocks whole."""
+        return self if self.rows is None else GGUFTensor(self.name, self.type_name, self.rows[start:start + size])
+
+    def input_slice(self, start: int, size: int) -> GGUFTensor:
+        """Input features [start, start + size): a row-parallel rank's blocks of every row; the split must
+        fall between blocks."""
+        if self.rows is None:
+            return self
+        _, per_block, block_bytes = KERNEL_TYPES[self.type_name]
+        if start % per_block or size % per_block:
+            raise ModelLoadError(f"{self.name} ({self.type_name}): tensor parallelism splits its input features at "
+                                 f"{start}, {start + size}, inside its {per_block}-weight blocks")
+        return GGUFTensor(self.name, self.type_name,
+                          self.rows[:, start // per_block * block_bytes:(start + size) // per_block * block_bytes])
+
 
 def _reverse_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves the two rotary halves of each Llama head's q/k rows; the
@@ -257,9 +273,8 @@ def _attach(layer, parts: list[GGUFTensor]) -> None:
 def attach_gguf(model, path: Path) -> dict[str, int]:
     """Give every linear layer of ``model``, its LM head and its embedding the blocks of ``path`` (a head
     or embedding of a type without a kernel keeps the checkpoint's dense rows); returns the count of
-    tensors per GGUF type."""
-    if model.embed_tokens.group.world_size > 1:
-        raise ModelLoadError("quantization gguf needs tensor_parallel_size 1 (sharding blocks is not built yet)")
+    tensors per GGUF type. Under tensor parallelism each rank takes its own rows or whole blocks of the
+    split, as it takes its part of a dense weight."""
     _load_ops()
     file, arch = GGUFFile(path), model.arch
     d, hidden, inter = arch.head_dim, arch.hidden_size, arch.intermediate_size
@@ -271,14 +286,21 @@ def attach_gguf(model, path: Path) -> dict[str, int]:
         return tensor
 
     for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        _attach(attn.qkv_proj, [take(f"blk.{i}.attn_q.weight", arch.num_heads * d, hidden, arch.num_heads),
-                                take(f"blk.{i}.attn_k.weight", arch.num_kv_heads * d, hidden, arch.num_kv_heads),
-                                take(f"blk.{i}.attn_v.weight", arch.num_kv_heads * d, hidden)])
-        _attach(attn.o_proj, [take(f"blk.{i}.attn_output.weight", hidden, arch.num_heads * d)])
-        _attach(mlp.gate_up_proj, [take(f"blk.{i}.ffn_gate.weight", inter, hidden),
-                                   take(f"blk.{i}.ffn_up.weight", inter, hidden)])
-        _attach(mlp.down_proj, [take(f"blk.{i}.ffn_down.weight", hidden, inter)])
+        qkv, o = layer.self_attn.qkv_proj, layer.self_attn.o_proj
+        gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+        h, rank = qkv.heads, gate_up.group.rank
+        _attach(qkv, [take(f"blk.{i}.attn_q.weight", arch.num_heads * d, hidden, arch.num_heads)
+                      .output_slice(h.q_start * d, h.q_count * d),
+                      take(f"blk.{i}.attn_k.weight", arch.num_kv_heads * d, hidden, arch.num_kv_heads)
+                      .output_slice(h.kv_start * d, h.kv_count * d),
+                      take(f"blk.{i}.attn_v.weight", arch.num_kv_heads * d, hidden)
+                      .output_slice(h.kv_start * d, h.kv_count * d)])
+        _attach(o, [take(f"blk.{i}.attn_output.weight", hidden, arch.num_heads * d)
+                    .input_slice(o.in_start, o.in_features)])
+        share = inter // gate_up.group.world_size
+        _attach(gate_up, [take(f"blk.{i}.ffn_gate.weight", inter, hidden).output_slice(rank * share, share),
+                          take(f"blk.{i}.ffn_up.weight", inter, hidden).output_slice(rank * share, share)])
+        _attach(down, [take(f"blk.{i}.ffn_down.weight", hidden, inter).input_slice(down.in_start, down.in_features)])
     embed, lm_head = model.embed_tokens, model.lm_head
     tied = lm_head.weight is embed.weight
     head = "output.weight" if "output.weight" in file.tensors else "token_embd.weight"
@@ -291,7 +313,7 @@ def attach_gguf(model, path: Path) -> dict[str, int]:
             if kind not in KERNEL_TYPES:  # the checkpoint's dense rows serve it
                 logger.info("%s is %s in %s: it stays dense", name, kind, path.name)
                 continue
-            _hold(module, [take(name, arch.vocab_size, hidden)], hidden)
+            _hold(module, [take(name, arch.vocab_size, hidden).output_slice(module.start, module.shard_size)], hidden)
         module.hidden = hidden
     for module in (lm_head, embed):
         if module.qweight is not None and not (tied and (lm_head.qweight is None or embed.qweight is None)):
