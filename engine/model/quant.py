@@ -6,15 +6,17 @@ the 32 of the float32 model the converted checkpoint holds. With ``quantization:
 checkpoint still supplies the configuration, norms and embedding rows; each linear layer (and
 the LM head) instead holds the file's blocks and multiplies them in place:
 
-- where the CPU has AVX-512 VNNI, packed once at load (``pack_int8``) for int8 dot products with
-  activations quantized per 32-block, as llama.cpp does (engine/csrc/gguf_linear_int8.cpp);
+- where the CPU has AVX-512 VNNI, packed once at load (``pack_int8``) in groups of 16 output columns
+  for int8 dot products with activations quantized per 32-block, as llama.cpp does
+  (engine/csrc/gguf_linear_int8.cpp), at every step size;
 - elsewhere, the file's blocks as they are, widened to float32 in registers beside the FMAs
   (engine/csrc/gguf_linear.cpp): exactly the file's values, summed in another order.
 
 The built-in model's converted checkpoint holds the file's values rounded to bfloat16; the blocks
-are the values themselves. Steps of more than ``QUANT_MAX_ROWS`` rows (prefill chunks) de-quantize
-the layer's weight for one GEMM: a few hundred microseconds a layer of the default model, small
-beside a GEMM of that many rows.
+are the values themselves. On the float32 kernel, steps of more than ``QUANT_MAX_ROWS`` rows
+(prefill chunks) de-quantize the layer's weight for one GEMM: a few hundred microseconds a layer of
+the default model, small beside a GEMM of that many rows. The int8 kernel beats that GEMM at every
+size measured and takes every step.
 """
 
 from __future__ import annotations
@@ -48,10 +50,16 @@ DENSE_TYPES = ("F32", "F16", "BF16")
 """Unquantized tensors: their layers keep the checkpoint's dense weights (the same values)."""
 
 QUANT_MAX_ROWS = 32
-"""Inputs of at most this many rows use a block kernel; larger ones de-quantize the layer for one
-GEMM. One 1536x576 Q4_1 layer, weights in cache, on the 2-core AVX-512 VNNI host: the int8 kernel
-takes 0.05 / 0.42 / 0.71 / 1.5 ms at 1 / 16 / 32 / 64 rows, the float32 one 0.07-0.12 / 0.41-0.71 /
-0.75-0.91 / 1.6-2.5 ms, de-quantizing and the GEMM 0.4 / 1.3-2.2 / - / 1.5-1.9 ms."""
+"""Inputs of at most this many rows use the float32 block kernel; larger ones de-quantize the layer
+for one GEMM. One 1536x576 Q4_1 layer, weights in cache, on the 2-core AVX-512 VNNI host: the float32
+kernel takes 0.07-0.12 / 0.41-0.71 / 0.75-0.91 / 1.6-2.5 ms at 1 / 16 / 32 / 64 rows, de-quantizing
+and the GEMM 0.4 / 1.3-2.2 / - / 1.5-1.9 ms."""
+
+INT8_MAX_ROWS = 1 << 16
+"""Packed layers run the int8 kernel up to this many rows, that is every step a token budget allows:
+it beat de-quantizing for one GEMM at every size measured (32-1024 rows; at 1024 rows of a 3072x576
+Q4_1 layer, 15.5 ms against 26.8 ms, and 23.9 ms for the float32 layer's own GEMM; 2-core AVX-512
+VNNI host)."""
 
 INT8_ACTIVATIONS = True
 """Where the CPU has AVX-512 VNNI: weights packed at load (``pack_int8``) and steps of up to
@@ -65,7 +73,7 @@ def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
         return torch.cat([quant_linear(x, part) for part in layer.qparts], dim=-1)
     if layer.qscale is not None:
         return torch.ops.slotserve_cpu.gguf_mm_packed(x, layer.qweight, layer.qscale, layer.qmin, layer.qtype,
-                                                      QUANT_MAX_ROWS)
+                                                      INT8_MAX_ROWS)
     return torch.ops.slotserve_cpu.gguf_mm(x, layer.qweight, layer.qtype, QUANT_MAX_ROWS)
 
 
@@ -73,8 +81,7 @@ def quant_rows(ids: torch.Tensor, layer) -> torch.Tensor:
     """Rows ``ids`` of a layer's GGUF weight, de-quantized to float32 (an embedding's lookup)."""
     hidden = layer.hidden
     if layer.qscale is not None:
-        return torch.ops.slotserve_cpu.gguf_dequantize_packed(layer.qweight[ids], layer.qscale[ids], layer.qmin[ids],
-                                                              layer.qtype, hidden)
+        return torch.ops.slotserve_cpu.gguf_take_packed(layer.qweight, layer.qscale, layer.qmin, layer.qtype, hidden, ids)
     return torch.ops.slotserve_cpu.gguf_dequantize(layer.qweight[ids], layer.qtype, hidden)
 
 
@@ -105,27 +112,31 @@ def _q4_blocks(rows: np.ndarray, type_name: str, n: int, nb: int) -> tuple[np.nd
 
 
 def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A tensor's blocks as the int8 kernel reads them: (quants, float16 scales, float16 minimums), the
-    block count padded to a multiple of 4 with zero blocks; Q4 quants in groups of 4 blocks, blocks 0-1
-    in the low nibbles of the group's 64 bytes and 2-3 in the high ones. Q4_K's 32-weight sub-blocks
-    become blocks of Q4_1's form (``PACKED_AS``)."""
+    """A tensor's blocks as the int8 kernel reads them (engine/csrc/gguf_linear_int8.cpp), per group of 16
+    output columns: quants [N/16, blocks x 256 (Q4) or 512 (Q8_0)], float16 scales and minimums
+    [N/16, blocks x 16]. A block's operand s holds weights 4s..4s+3 of column c in bytes 4c..4c+3;
+    Q4 operands 0-3 sit in the low nibbles, 4-7 in the high ones; Q8_0 bytes have their sign bit
+    flipped. Q4_K's 32-weight sub-blocks become blocks of Q4_1's form (``PACKED_AS``). N must be a
+    multiple of 16."""
     n, nb = rows.shape[0], in_features // 32
-    padded = -(-nb // 4) * 4
-    scales = np.zeros((n, padded), np.float16)
-    mins = np.zeros((n, padded), np.float16)
     if type_name == "Q8_0":
         blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
-        scales[:, :nb] = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-        quants = np.zeros((n, padded, 32), np.int8)
-        quants[:, :nb] = blocks[:, :, 2:].view(np.int8)
-        return torch.from_numpy(quants.reshape(n, -1)), torch.from_numpy(scales), torch.from_numpy(mins)
-    values, scales[:, :nb], mins[:, :nb] = (_q4k_blocks(rows, n, nb) if type_name == "Q4_K"
-                                            else _q4_blocks(rows, type_name, n, nb))
-    weights = np.zeros((n, padded, 32), np.uint8)
-    weights[:, :nb] = values
-    groups = weights.reshape(n, padded // 4, 2, 64)
-    quants = (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, -1)
-    return torch.from_numpy(np.ascontiguousarray(quants)), torch.from_numpy(scales), torch.from_numpy(mins)
+        scales = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+        values = blocks[:, :, 2:] ^ np.uint8(0x80)
+        mins = np.zeros_like(scales)
+    else:
+        values, scales, mins = (_q4k_blocks(rows, n, nb) if type_name == "Q4_K"
+                                else _q4_blocks(rows, type_name, n, nb))
+    # [group, column, block, operand, byte] -> [group, block, operand, column, byte]
+    ops = values.reshape(n // 16, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+    if type_name != "Q8_0":
+        ops = ops[:, :, :4] | (ops[:, :, 4:] << 4)
+    quants = np.ascontiguousarray(ops).reshape(n // 16, -1)
+
+    def by_group(per_block: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(per_block.reshape(n // 16, 16, nb).transpose(0, 2, 1))
+                                .reshape(n // 16, -1))
+    return torch.from_numpy(quants), by_group(scales), by_group(mins)
 
 
 @functools.cache
@@ -143,7 +154,7 @@ def _load_ops() -> None:
 
     @torch.library.register_fake("slotserve_cpu::gguf_mm_packed")
     def _(x, quants, scales, mins, qtype, max_rows):
-        return x.new_empty(x.shape[0], scales.shape[0])
+        return x.new_empty(x.shape[0], scales.shape[0] * 16)
 
     @torch.library.register_fake("slotserve_cpu::gguf_dequantize")
     def _(blocks, qtype, k):
@@ -151,7 +162,11 @@ def _load_ops() -> None:
 
     @torch.library.register_fake("slotserve_cpu::gguf_dequantize_packed")
     def _(quants, scales, mins, qtype, k):
-        return quants.new_empty(quants.shape[0], k, dtype=torch.float32)
+        return quants.new_empty(scales.shape[0] * 16, k, dtype=torch.float32)
+
+    @torch.library.register_fake("slotserve_cpu::gguf_take_packed")
+    def _(quants, scales, mins, qtype, k, ids):
+        return quants.new_empty(*ids.shape, k, dtype=torch.float32)
 
 
 def _int8() -> bool:
@@ -251,7 +266,7 @@ def _hold(module, parts: list[GGUFTensor], in_features: int) -> None:
     kind = kinds.pop()
     module.qtype = KERNEL_TYPES[kind][0]
     rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else np.array(parts[0].rows)
-    if _int8() and kind in INT8_TYPES:
+    if _int8() and kind in INT8_TYPES and rows.shape[0] % 16 == 0:
         module.qweight, module.qscale, module.qmin = pack_int8(rows, kind, in_features)
         module.qtype = KERNEL_TYPES[PACKED_AS.get(kind, kind)][0]
     else:
