@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# `vllm bench serve` (vLLM's own load client) against `vllm serve` and `slotserve serve`, one after
-# the other, same model directory, same requests. Results: $OUT/{vllm,slotserve}.json and .log.
+# `vllm bench serve` (vLLM's own load client) against `vllm serve`, `slotserve serve` and llama.cpp's
+# `llama-server`, one after the other, same model, same requests. Results: $OUT/{vllm,slotserve,llamacpp}.json
+# and .log.
 #
 #   VLLM_VENV=/tmp/peer/venv bash benchmarks/served_vs_vllm.sh [extra `vllm serve` args, e.g. --dtype float32]
+#   SYSTEMS="llamacpp slotserve" SLOTSERVE_CONFIG=gguf.yaml bash benchmarks/served_vs_vllm.sh
+#
+# LLAMACPP_DIR: llama.cpp's build (../shared/peers/setup-llamacpp.sh; binaries in $LLAMACPP_DIR/bin);
+# GGUF_FILE: the file llama-server serves (default: the built-in model's own, the one
+# `quantization: gguf` reads), with -np $CONCURRENCY slots, 1024 tokens of context each, $THREADS threads.
 #
 # SLOTSERVE_CONFIG: the Serve config `slotserve serve` runs (default its own, configs/local-cpu.yaml);
 # e.g. a copy with `kv_cache_dtype: int8` under `engine:`, against `--kv-cache-dtype fp8` for vLLM.
@@ -17,7 +23,9 @@ MODEL_DIR=${MODEL_DIR:-$(python -c "from engine.models_hub import resolve_model;
 PROMPTS=${PROMPTS:-64}
 CONCURRENCY=${CONCURRENCY:-16}
 THREADS=${THREADS:-$(nproc)}
-SYSTEMS=${SYSTEMS:-vllm slotserve}  # one of them alone: SYSTEMS=slotserve
+SYSTEMS=${SYSTEMS:-vllm slotserve}  # one of them alone: SYSTEMS=slotserve; llama.cpp: SYSTEMS=llamacpp
+LLAMACPP_DIR=${LLAMACPP_DIR:-/tmp/peer/llamacpp}
+GGUF_FILE=${GGUF_FILE:-$(python -c "from engine.models_hub import resolve_gguf; print(resolve_gguf('smollm2-135m', None, None))")}
 mkdir -p "$OUT"
 
 wait_ready() {  # base url, served model name, seconds, server pid
@@ -59,6 +67,17 @@ pid=$!
 wait_ready http://127.0.0.1:8000 smollm2-135m 900 $pid
 echo "slotserve serve gave its first token $(( $(date +%s) - start )) s after its start" | tee "$OUT/slotserve-ready.txt"
 bench slotserve http://127.0.0.1:8000 smollm2-135m
+stop $pid
+}
+
+run_llamacpp() {
+start=$(date +%s)
+"$LLAMACPP_DIR/bin/llama-server" -m "$GGUF_FILE" -np "$CONCURRENCY" -c $((1024 * CONCURRENCY)) -t "$THREADS" \
+  --host 127.0.0.1 --port 8200 --alias smollm2-135m >"$OUT/llamacpp.log" 2>&1 &
+pid=$!
+wait_ready http://127.0.0.1:8200 smollm2-135m 300 $pid
+echo "llama-server gave its first token $(( $(date +%s) - start )) s after its start" | tee "$OUT/llamacpp-ready.txt"
+bench llamacpp http://127.0.0.1:8200 smollm2-135m
 stop $pid
 }
 

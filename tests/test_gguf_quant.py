@@ -98,7 +98,7 @@ def test_float32_kernel_matches_gguf_dequantize(qtype):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_0], ids=lambda t: t.name)
 def test_int8_kernel_within_the_activations_rounding(qtype):
     """Each output differs from the exact product by at most what rounding the activations to int8 per
     block can move it: sum over blocks of half a step (amax / 127 / 2) times the block's |weights|.
@@ -231,15 +231,16 @@ weights."""
 def test_k_quants_greedy_match_hf(tmp_path, monkeypatch, eager, int8):
     """Q4_K, Q6_K (256-weight super-blocks), Q5_0 and Q5_1 through the float32 kernel: exactly the
     file's values, so greedy tokens are HF's on the de-quantized weights. With int8 activations, Q4_K's
-    sub-blocks are packed as Q4_1 blocks (their scales rounded to float16: within the tolerance) and HF
-    rounds their inputs as the kernel does; the rest stays on the float32 kernel."""
+    sub-blocks are packed as Q4_1 blocks (their scales rounded to float16, which HF then takes too),
+    Q5_0's as Q8_0's, and HF rounds their inputs as the kernel does; the rest stays on the float32
+    kernel."""
     import engine.model.quant as quant
     if int8 and not _int8_ready():
         pytest.skip("the int8 kernel needs AVX-512 VNNI")
     monkeypatch.setattr(quant, "INT8_ACTIVATIONS", int8)
     hf = _model_dir(tmp_path, Q4_K_M, tie=False, hidden=256, head_type=Q.Q6_K)
     if int8:
-        round_activations_like_int8(hf, {"q_proj", "k_proj"})  # the Q4_K layers; the rest are float32 kernels
+        round_activations_like_int8(hf, {"q_proj", "k_proj", "gate_proj"})  # Q4_K, Q5_0; the rest: float32 kernels
     llm = LLM(str(tmp_path), quantization="gguf", dtype="float32", block_size=8, num_kv_blocks=64,
               max_num_seqs=4, enforce_eager=eager)
     model = llm.engine.runner.model
@@ -249,6 +250,12 @@ def test_k_quants_greedy_match_hf(tmp_path, monkeypatch, eager, int8):
     assert [p.qscale is not None for p in qkv.qparts] == [int8, int8, False]
     assert model.layers[0].self_attn.o_proj.qtype is None  # dense (oneDNN-packed here)
     assert model.lm_head.qtype == int(Q.Q6_K) and model.embed_tokens.qtype is None  # an F32 token_embd
+    if int8:  # HF takes the weights the kernel reads: Q4_K's scales rounded to float16 when packed
+        for layer, hf_layer in zip(model.layers, hf.model.layers):
+            hf_attn = hf_layer.self_attn
+            for part, proj in zip(layer.self_attn.qkv_proj.qparts, (hf_attn.q_proj, hf_attn.k_proj)):
+                packed = (part.qweight, part.qscale, part.qmin, part.qtype)
+                proj.weight.data.copy_(_ops().gguf_dequantize_packed(*packed, 256))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8) for p in PROMPTS]
@@ -273,8 +280,8 @@ def test_lora_over_gguf_blocks_equals_hf_peft(tmp_path, monkeypatch, eager):
     assert want[0] != want[1]
     llm = LLM(str(tmp_path / "base"), quantization="gguf", dtype="float32", block_size=8, num_kv_blocks=64,
               max_num_seqs=4, enforce_eager=eager, lora=dict(adapters={"a": str(adapter)}, max_lora_rank=4))
-    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        lora=[None, "a"])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, lora=[None, "a"])
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     llm.engine.block_manager.check_invariants()
 

@@ -39,11 +39,11 @@ KERNEL_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "
 Q4_K_M, the most common download, is Q4_K with Q6_K for some layers (and the head); where a row is no
 multiple of 256 weights, llama.cpp's quantizer writes Q5_0 for Q4_K and Q8_0 for Q6_K."""
 
-INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
-"""Types ``pack_int8`` lays out for the int8 kernel; Q5 and Q6_K (a scale per 16 weights) go through
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0")
+"""Types ``pack_int8`` lays out for the int8 kernel; Q5_1 and Q6_K (a scale per 16 weights) go through
 the float32 one."""
 
-PACKED_AS = {"Q4_K": "Q4_1"}
+PACKED_AS = {"Q4_K": "Q4_1", "Q5_0": "Q8_0"}
 """Types the int8 kernel reads in another type's packed form (the kernel's ``qtype``)."""
 
 DENSE_TYPES = ("F32", "F16", "BF16")
@@ -81,7 +81,8 @@ def quant_rows(ids: torch.Tensor, layer) -> torch.Tensor:
     """Rows ``ids`` of a layer's GGUF weight, de-quantized to float32 (an embedding's lookup)."""
     hidden = layer.hidden
     if layer.qscale is not None:
-        return torch.ops.slotserve_cpu.gguf_take_packed(layer.qweight, layer.qscale, layer.qmin, layer.qtype, hidden, ids)
+        packed = (layer.qweight, layer.qscale, layer.qmin, layer.qtype)
+        return torch.ops.slotserve_cpu.gguf_take_packed(*packed, hidden, ids)
     return torch.ops.slotserve_cpu.gguf_dequantize(layer.qweight[ids], layer.qtype, hidden)
 
 
@@ -100,6 +101,18 @@ def _q4k_blocks(rows: np.ndarray, n: int, nb: int) -> tuple[np.ndarray, np.ndarr
     return (quants, (d * sc).astype(np.float16).reshape(n, nb), (-(dmin * m)).astype(np.float16).reshape(n, nb))
 
 
+def _q5_0_blocks(rows: np.ndarray, n: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0 blocks as Q8_0's: (signed quants q - 16 [n, nb, 32] int8, float16 scales [n, nb]). Exact: the
+    5-bit values fit a byte; the kernel then reads 8.5 bits a weight instead of 5.5."""
+    blocks = rows.reshape(n, nb, KERNEL_TYPES["Q5_0"][2])
+    scales = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    high = blocks[:, :, 2:6].copy().view("<u4")  # bit j: weight j's fifth bit
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    nibbles = blocks[:, :, 6:22]
+    values = np.concatenate([nibbles & 15, nibbles >> 4], axis=2) | (fifth << 4)
+    return (values.astype(np.int16) - 16).astype(np.int8), scales
+
+
 def _q4_blocks(rows: np.ndarray, type_name: str, n: int, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_0 / Q4_1 blocks as (quants [n, nb, 32] in order, float16 scales, float16 minimums [n, nb])."""
     blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
@@ -116,20 +129,23 @@ def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch
     output columns: quants [N/16, blocks x 256 (Q4) or 512 (Q8_0)], float16 scales and minimums
     [N/16, blocks x 16]. A block's operand s holds weights 4s..4s+3 of column c in bytes 4c..4c+3;
     Q4 operands 0-3 sit in the low nibbles, 4-7 in the high ones; Q8_0 bytes have their sign bit
-    flipped. Q4_K's 32-weight sub-blocks become blocks of Q4_1's form (``PACKED_AS``). N must be a
-    multiple of 16."""
+    flipped. Q4_K's 32-weight sub-blocks become blocks of Q4_1's form, Q5_0's blocks Q8_0's
+    (``PACKED_AS``). N must be a multiple of 16."""
     n, nb = rows.shape[0], in_features // 32
-    if type_name == "Q8_0":
-        blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
-        scales = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-        values = blocks[:, :, 2:] ^ np.uint8(0x80)
+    if PACKED_AS.get(type_name, type_name) == "Q8_0":
+        if type_name == "Q5_0":
+            signed, scales = _q5_0_blocks(rows, n, nb)
+        else:
+            blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
+            signed, scales = blocks[:, :, 2:].view(np.int8), blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+        values = signed.view(np.uint8) ^ np.uint8(0x80)
         mins = np.zeros_like(scales)
     else:
         values, scales, mins = (_q4k_blocks(rows, n, nb) if type_name == "Q4_K"
                                 else _q4_blocks(rows, type_name, n, nb))
     # [group, column, block, operand, byte] -> [group, block, operand, column, byte]
     ops = values.reshape(n // 16, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)
-    if type_name != "Q8_0":
+    if PACKED_AS.get(type_name, type_name) != "Q8_0":
         ops = ops[:, :, :4] | (ops[:, :, 4:] << 4)
     quants = np.ascontiguousarray(ops).reshape(n // 16, -1)
 
