@@ -376,3 +376,6 @@ def test_benchmark_compares_both_weight_formats(tmp_path):
     assert set(report["systems"]) == {"dequantized", "gguf"}
     assert report["systems"]["gguf"]["weight_mib"] < report["systems"]["dequantized"]["weight_mib"]
     assert set(report["speedup"]) == {"1", "2"} and report["environment"]["host_cpu"]["kernel_isa"]
+    quality = report["quality"]
+    assert quality["prompts"] == 32 and 0 <= quality["identical_greedy_texts"] <= 32
+    assert quality["perplexity_ratio"] > 0 and report["systems"]["gguf"]["quality"]["text_tokens"] > 100
