@@ -1,5 +1,6 @@
-"""Decode time per step with the model's GGUF blocks (``quantization: gguf``) against its de-quantized
-weights, one engine after the other in one process, at a few numbers of running requests:
+"""Decode time per step with the model's GGUF blocks (``quantization: gguf``) and with int8 blocks made
+at load (``quantization: int8``) against its de-quantized weights, one engine after the other in one
+process, at a few numbers of running requests:
 
     python -m benchmarks.quantized --levels 1,16
 
@@ -7,7 +8,7 @@ Each level generates ``--max-tokens`` tokens (EOS ignored) for that many request
 untimed round; the step time is the wall time over the tokens of one request. The JSON names the
 host's CPU features and each engine's weight bytes.
 
-Quality, for both weight formats: the perplexity of a fixed text (QUALITY_TEXT, teacher-forced) and
+Quality, for every weight format: the perplexity of a fixed text (QUALITY_TEXT, teacher-forced) and
 the greedy texts of 32 chat prompts (QUALITY_PROMPTS, 48 tokens each), compared.
 """
 
@@ -77,6 +78,20 @@ def _measure(options: dict, model: str, levels: list[int], max_tokens: int, roun
     return result
 
 
+def _compare(report: dict, name: str, levels: list[int]) -> None:
+    """Speed-up and quality of format ``name`` against the de-quantized weights, into ``report``."""
+    base, dense = report["systems"]["dequantized"], report["systems"][name]
+    speedup = {level: round(base["levels"][level]["ms_per_step"] / dense["levels"][level]["ms_per_step"], 2)
+               for level in levels}
+    same = sum(a == b for a, b in zip(base["quality"]["greedy_texts"], dense["quality"]["greedy_texts"]))
+    report["speedup"][name] = speedup
+    report["quality"][name] = {"perplexity_ratio": round(dense["quality"]["perplexity"] / base["quality"]["perplexity"], 4),
+                               "identical_greedy_texts": same, "prompts": len(QUALITY_PROMPTS)}
+    print(f"{name}: speed-up over de-quantized weights, per level: {speedup}; perplexity "
+          f"{dense['quality']['perplexity']} (de-quantized {base['quality']['perplexity']}); identical greedy "
+          f"texts: {same} of {len(QUALITY_PROMPTS)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -84,25 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--eager", action="store_true", help="both engines eager (enforce_eager), not compiled")
+    ap.add_argument("--formats", default="gguf,int8", help="quantization values to measure beside the dense weights")
+    ap.add_argument("--eager", action="store_true", help="every engine eager (enforce_eager), not compiled")
     ap.add_argument("--out", default="bench-out/quantized.json")
     args = ap.parse_args(argv)
     from engine.cpu_features import host_cpu
     levels = [int(v) for v in args.levels.split(",")]
+    formats = [f for f in args.formats.split(",") if f]
     common = {"dtype": args.dtype, "max_num_seqs": max(levels), "enforce_eager": args.eager}
-    report = {"environment": {"host_cpu": host_cpu()}, "systems": {}}
-    for name, extra in (("dequantized", {}), ("gguf", {"quantization": "gguf"})):
+    report = {"environment": {"host_cpu": host_cpu()}, "systems": {}, "speedup": {}, "quality": {}}
+    for name in ("dequantized", *formats):
         print(f"{name}:", flush=True)
+        extra = {} if name == "dequantized" else {"quantization": name}
         report["systems"][name] = _measure({**common, **extra}, args.model, levels, args.max_tokens, args.rounds)
-    base, quant = report["systems"]["dequantized"]["levels"], report["systems"]["gguf"]["levels"]
-    report["speedup"] = {level: round(base[level]["ms_per_step"] / quant[level]["ms_per_step"], 2) for level in levels}
-    print("gguf speed-up over de-quantized weights, per level:", report["speedup"])
-    dense, packed = report["systems"]["dequantized"]["quality"], report["systems"]["gguf"]["quality"]
-    same = sum(a == b for a, b in zip(dense["greedy_texts"], packed["greedy_texts"]))
-    report["quality"] = {"perplexity_ratio": round(packed["perplexity"] / dense["perplexity"], 4),
-                         "identical_greedy_texts": same, "prompts": len(QUALITY_PROMPTS)}
-    print(f"perplexity: {dense['perplexity']} de-quantized, {packed['perplexity']} gguf; identical greedy texts: "
-          f"{report['quality']['identical_greedy_texts']} of {len(QUALITY_PROMPTS)}")
+    for name in formats:
+        _compare(report, name, levels)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

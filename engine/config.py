@@ -45,10 +45,11 @@ class ModelConfig:
     """Longest prompt + output; defaults to the model's ``max_position_embeddings``."""
     seed: Int = Field(0, ge=0)
     """Seed for requests that do not bring their own."""
-    quantization: Literal["gguf"] | None = None
-    """``gguf`` (CPU): linear layers and the LM head multiply the GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K
-    blocks in place instead of de-quantized weights (engine.model.quant): fewer bytes read a step. The file is
-    ``gguf_file``, else the built-in model's own, else the one ``*.gguf`` in the model directory."""
+    quantization: Literal["gguf", "int8"] | None = None
+    """CPU, fewer bytes read a step. ``gguf``: linear layers, the LM head and the embedding multiply the
+    GGUF file's blocks in place instead of de-quantized weights (engine.model.quant). The file is
+    ``gguf_file``, else the built-in model's own, else the one ``*.gguf`` in the model directory.
+    ``int8``: the checkpoint's weights rounded at load to int8 with a scale per 32 (engine.model.int8)."""
     gguf_file: Str | None = Field(None, min_length=1)
     """The GGUF file of the same model as ``model`` for ``quantization: gguf``."""
 

@@ -77,8 +77,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
         weights = str(self.dtype).removeprefix("torch.")
+        if config.model.quantization is not None and self.device.type != "cpu":
+            raise ModelLoadError(f"quantization {config.model.quantization} runs on CPU "
+                                 "(GPU checkpoints: fp8 and int4 are planned)")
         if config.model.quantization == "gguf":
             weights = self._attach_gguf(model_path)
+        elif config.model.quantization == "int8":
+            from engine.model.int8 import attach_int8
+            weights = f"int8 blocks of 32 made from {weights} ({attach_int8(self.model) / (1 << 20):.0f} MiB)"
         quantized = (b for name, b in self.model.named_buffers() if name.rsplit(".", 1)[-1] in ("qweight", "qscale", "qmin"))
         self.param_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *quantized))
         logger.info("weights loaded in %.1f s: %s, %.0f MiB in %s", time.perf_counter() - t0, model_path.name,
@@ -133,8 +139,6 @@ class ModelRunner:
     def _attach_gguf(self, model_path: Path) -> str:
         from engine.model.quant import attach_gguf
         from engine.models_hub import resolve_gguf
-        if self.device.type != "cpu":
-            raise ModelLoadError("quantization gguf runs on CPU (GPU checkpoints: fp8 and int4 are planned)")
         path = resolve_gguf(self.config.model.model, model_path, self.config.model.gguf_file)
         types = attach_gguf(self.model, path)
         return f"{', '.join(f'{n} {t}' for t, n in sorted(types.items()))} tensors from {path.name}"

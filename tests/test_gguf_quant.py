@@ -362,7 +362,7 @@ def test_kernel_benchmark_times_every_type(tmp_path):
     assert set(table) == {"1", "3"} and set(FLOAT32_TYPES) | {"float32 dense"} <= set(table["1"])
 
 
-def test_benchmark_compares_both_weight_formats(tmp_path):
+def test_benchmark_compares_every_weight_format(tmp_path):
     import json
 
     from benchmarks.quantized import main
@@ -373,9 +373,11 @@ def test_benchmark_compares_both_weight_formats(tmp_path):
     assert main(["--model", str(tmp_path), "--levels", "1,2", "--max-tokens", "4", "--rounds", "1", "--eager",
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["systems"]) == {"dequantized", "gguf"}
-    assert report["systems"]["gguf"]["weight_mib"] < report["systems"]["dequantized"]["weight_mib"]
-    assert set(report["speedup"]) == {"1", "2"} and report["environment"]["host_cpu"]["kernel_isa"]
-    quality = report["quality"]
-    assert quality["prompts"] == 32 and 0 <= quality["identical_greedy_texts"] <= 32
-    assert quality["perplexity_ratio"] > 0 and report["systems"]["gguf"]["quality"]["text_tokens"] > 100
+    assert set(report["systems"]) == {"dequantized", "gguf", "int8"}
+    for name in ("gguf", "int8"):
+        assert report["systems"][name]["weight_mib"] < report["systems"]["dequantized"]["weight_mib"]
+        assert set(report["speedup"][name]) == {"1", "2"}
+        quality = report["quality"][name]
+        assert quality["prompts"] == 32 and 0 <= quality["identical_greedy_texts"] <= 32
+        assert quality["perplexity_ratio"] > 0 and report["systems"][name]["quality"]["text_tokens"] > 100
+    assert report["environment"]["host_cpu"]["kernel_isa"]

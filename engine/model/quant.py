@@ -156,12 +156,12 @@ def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch
 
 
 @functools.cache
-def _load_ops() -> None:
+def load_ops() -> None:
     """The kernel library, with the shape function a compiled graph traces ``gguf_mm`` with."""
     from engine.cpu_kernels import compiler_problem, load_kernel
     problem = compiler_problem()
     if problem is not None:
-        raise ModelLoadError(f"quantization gguf needs the CPU kernel library: {problem}")
+        raise ModelLoadError(f"quantization gguf and int8 need the CPU kernel library: {problem}")
     load_kernel()
 
     @torch.library.register_fake("slotserve_cpu::gguf_mm")
@@ -268,7 +268,7 @@ class QuantPart(torch.nn.Module):
         self.qtype, self.qparts = None, None
 
 
-def _hold(module, parts: list[GGUFTensor], in_features: int) -> None:
+def hold_blocks(module, parts: list[GGUFTensor], in_features: int) -> None:
     """Give ``module`` the tensors' blocks (packed for the int8 kernel where it runs), as buffers so that
     a compiled graph takes them as inputs, like weights; parts of different types each get a
     ``QuantPart``."""
@@ -276,7 +276,7 @@ def _hold(module, parts: list[GGUFTensor], in_features: int) -> None:
     if len(kinds) > 1:
         module.qparts = torch.nn.ModuleList(QuantPart() for _ in parts)
         for part, tensor in zip(module.qparts, parts):
-            _hold(part, [tensor], in_features)
+            hold_blocks(part, [tensor], in_features)
         module.qtype = -1  # quantized, in parts
         return
     kind = kinds.pop()
@@ -297,7 +297,7 @@ def _attach(layer, parts: list[GGUFTensor]) -> None:
         quantized = ", ".join(p.name for p in parts if p.rows is not None)
         raise ModelLoadError(f"{', '.join(dense)} unquantized beside quantized {quantized}: a fused layer "
                              "is served dense or quantized, not both")
-    _hold(layer, parts, layer.in_features)
+    hold_blocks(layer, parts, layer.in_features)
     layer.weight.data = layer.weight.data.new_empty(0)
 
 
@@ -306,7 +306,7 @@ def attach_gguf(model, path: Path) -> dict[str, int]:
     or embedding of a type without a kernel keeps the checkpoint's dense rows); returns the count of
     tensors per GGUF type. Under tensor parallelism each rank takes its own rows or whole blocks of the
     split, as it takes its part of a dense weight."""
-    _load_ops()
+    load_ops()
     file, arch = GGUFFile(path), model.arch
     d, hidden, inter = arch.head_dim, arch.hidden_size, arch.intermediate_size
     types: dict[str, int] = {}
@@ -344,7 +344,8 @@ def attach_gguf(model, path: Path) -> dict[str, int]:
             if kind not in KERNEL_TYPES:  # the checkpoint's dense rows serve it
                 logger.info("%s is %s in %s: it stays dense", name, kind, path.name)
                 continue
-            _hold(module, [take(name, arch.vocab_size, hidden).output_slice(module.start, module.shard_size)], hidden)
+            rows = take(name, arch.vocab_size, hidden).output_slice(module.start, module.shard_size)
+            hold_blocks(module, [rows], hidden)
         module.hidden = hidden
     for module in (lm_head, embed):
         if module.qweight is not None and not (tied and (lm_head.qweight is None or embed.qweight is None)):
