@@ -62,6 +62,23 @@ def test_compiled_engine_gives_hf_greedy_tokens_and_a_cached_compile_no_stale_we
     assert _greedy(llm) == want_first  # and the first engine's graphs still read its own weights
 
 
+def test_engines_of_other_shapes_in_one_process_keep_their_own_graphs(models, tmp_path):
+    """Each compiled decoder keeps dynamo's guards on the step's inputs only, none on its model, over
+    its own copy of the code: an engine of another shape in the same process compiles its own graphs
+    and never runs the first one's."""
+    from transformers import AutoModelForCausalLM
+
+    other = make_model_dir(tmp_path / "llama", "llama", seed=8, hidden=96, heads=6, kv_heads=3,
+                           with_tokenizer=False)
+    hf = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    want_other = [_hf_greedy(hf, p, MAX_NEW) for p in _prompts()]
+    llm, llm2 = LLM(str(models[0][0]), **OPTIONS), LLM(str(other), **OPTIONS)
+    assert llm.engine.runner.compiled._hidden is not llm2.engine.runner.compiled._hidden
+    for _ in range(2):
+        assert _greedy(llm2) == want_other
+        assert _greedy(llm) == models[0][1]
+
+
 @pytest.mark.parametrize("option", ["enforce_eager", "compile_model"])
 def test_the_model_runs_uncompiled_when_asked(models, option):
     llm = LLM(str(models[0][0]), **{**OPTIONS, option: option == "enforce_eager"})
