@@ -150,6 +150,7 @@ class Frontend:
                 "eos_token_ids": list(self.tokenizer.eos_token_ids),
                 "has_chat_template": bool(getattr(self.tokenizer, "has_chat_template", False)),
                 "max_prompt_tokens": self._max_prompt_tokens(info),
+                "quantization": info.get("quantization", "none"),
                 "lora_adapters": list(await self.adapters.served())}
 
     def _max_prompt_tokens(self, info: dict) -> int:

@@ -103,6 +103,9 @@ METRICS: dict[str, MetricDef] = {
     "gpu_memory_budget_bytes": MetricDef("gauge", "GPU memory the engine planned for: weights + KV pool.",
                                          tags=GPU_TAGS, gpu_only=True),
     # ingress
+    "model_weights_bytes": MetricDef("gauge", "Bytes of model weights the replica holds (quantized blocks and "
+                                     "their scales included), labelled with their dtype and quantization.",
+                                     tags=("dtype", "quantization")),
     "requests_rejected": MetricDef("counter", "Generation requests answered with an error, by reason.",
                                    tags=("reason",)),
 }
@@ -238,6 +241,7 @@ class EngineMetrics:
         rec("kv_cache_usage_perc", s.kv_usage)
         rec("slot_occupancy", s.slot_occupancy)
         rec("num_slots", s.max_num_seqs)
+        rec("model_weights_bytes", s.weights_bytes, dict(zip(("dtype", "quantization"), s.weights_format)))
         for name, field in _STATS_COUNTERS.items():
             total = getattr(s, field)
             delta = total - self._exported.get(name, 0)

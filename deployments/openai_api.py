@@ -116,8 +116,9 @@ class OpenAIRoutes:
         config = self.frontend.config
         base = {"id": config.served_model_name, "object": "model", "created": self.created, "owned_by": "slotserve",
                 "root": config.model, "parent": None}
-        if "max_model_len" in info:
-            base["max_model_len"] = info["max_model_len"]
+        for key in ("max_model_len", "quantization"):
+            if key in info:
+                base[key] = info[key]
         adapters = await self.frontend.adapters.served()
         return [base, *({**base, "id": name, "root": path or name, "parent": config.served_model_name}
                          for name, path in adapters.items())]

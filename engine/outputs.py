@@ -139,6 +139,9 @@ class EngineStats:
     """time.monotonic() when the loop last finished a step (or idled)."""
     weights_bytes: int = 0
     """Model weights this engine (rank 0 with tensor parallelism) holds on its device."""
+    weights_format: tuple = ("", "")
+    """(dtype, quantization or "none") of those weights: ("float32", "gguf") serves GGUF blocks with
+    float32 activations."""
     kv_cache_bytes: int = 0
     """The KV pool it allocated: with the weights, the memory budget it planned for."""
     step_time_s: dict = field(default_factory=dict)

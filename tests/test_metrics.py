@@ -72,8 +72,10 @@ def test_stats_become_gauges_and_counter_deltas():
     rec = FakeRecorder()
     m = EngineMetrics(rec)
     s = EngineStats(running=3, waiting=2, max_num_seqs=4, kv_blocks_used=10, kv_blocks_total=40,
-                    num_preemptions=1, num_generated_tokens=100, prefix_cache_queries=64, prefix_cache_hits=32)
+                    num_preemptions=1, num_generated_tokens=100, prefix_cache_queries=64, prefix_cache_hits=32,
+                    weights_bytes=98_000_000, weights_format=("float32", "gguf"))
     m.record_stats(s, [8, 3, 3])
+    assert rec.values("model_weights_bytes", dtype="float32", quantization="gguf") == [98_000_000]
     assert rec.values("num_requests_running") == [3] and rec.values("num_requests_waiting") == [2]
     assert rec.values("kv_cache_usage_perc") == [0.25] and rec.values("slot_occupancy") == [0.75]
     assert rec.values("num_slots") == [4] and rec.values("iteration_tokens_total") == [8, 3, 3]

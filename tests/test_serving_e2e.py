@@ -366,6 +366,7 @@ def test_health_info_tokenize_and_cli(service, offline, capsys):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     info = service.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info.served_model_name, info.max_model_len, info.max_prompt_tokens) == ("tiny", 1024, MAX_PROMPT_TOKENS)
+    assert info.quantization == "none"
     tok = service.stub.Tokenize(pb.TokenizeRequest(text=PROMPTS[0]), timeout=10)
     assert tok.count == len(tok.token_ids) > 0
     load = service.stub.GetLoad(pb.GetLoadRequest(), timeout=10)

@@ -277,7 +277,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "model", "max_model_len", "vocab_size", "eos_token_ids", "has_chat_template", "max_prompt_tokens", "lora_adapters")
+    __slots__ = ("served_model_name", "model", "max_model_len", "vocab_size", "eos_token_ids", "has_chat_template", "max_prompt_tokens", "lora_adapters", "quantization")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class ModelInfo(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     model: str
     max_model_len: int
@@ -294,7 +295,8 @@ class ModelInfo(_message.Message):
     has_chat_template: bool
     max_prompt_tokens: int
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, served_model_name: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_prompt_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    quantization: str
+    def __init__(self, served_model_name: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_prompt_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
