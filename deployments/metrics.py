@@ -67,6 +67,8 @@ METRICS: dict[str, MetricDef] = {
     "spec_decode_num_drafts": MetricDef("counter", "Speculative drafts verified."),
     "spec_decode_num_draft_tokens": MetricDef("counter", "Speculative draft tokens verified."),
     "spec_decode_num_accepted_tokens": MetricDef("counter", "Speculative draft tokens accepted."),
+    "spec_decode_num_accepted_tokens_per_pos": MetricDef("counter", "Draft tokens accepted, per draft position "
+                                                         "(0: a draft's first token).", tags=("position",)),
     "iteration_tokens_total": MetricDef("histogram", "Tokens computed per engine step.",
                                         buckets=ITERATION_TOKEN_BUCKETS),
     # engine replica with LoRA adapters (docs/LORA.md)
@@ -229,6 +231,7 @@ class EngineMetrics:
             recorder.start_at_zero(name)
         for reason in FINISH_REASONS:
             recorder.start_at_zero("request_success", {"finished_reason": reason})
+        recorder.start_at_zero("spec_decode_num_accepted_tokens_per_pos", {"position": "0"})
 
     @property
     def enabled(self) -> bool:
@@ -248,6 +251,12 @@ class EngineMetrics:
             self._exported[name] = total
             if delta > 0:  # < 0: a new engine started from zero; the baseline just moved
                 rec(name, delta)
+        for pos, total in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            key = f"spec_decode_num_accepted_tokens_per_pos/{pos}"
+            delta = total - self._exported.get(key, 0)
+            self._exported[key] = total
+            if delta > 0:
+                rec("spec_decode_num_accepted_tokens_per_pos", delta, {"position": str(pos)})
         for n in step_tokens:
             rec("iteration_tokens_total", n)
         if s.max_loras:

@@ -87,6 +87,11 @@ def test_stats_become_gauges_and_counter_deltas():
     m.record_stats(EngineStats(max_num_seqs=4, num_generated_tokens=7), [])  # a new engine counts from zero
     m.record_stats(EngineStats(max_num_seqs=4, num_generated_tokens=10), [])
     assert rec.values("generation_tokens") == [100, 30, 3]
+    s.spec_decode_num_accepted_tokens_per_pos = (5, 2, 0)
+    m.record_stats(s, [])
+    s.spec_decode_num_accepted_tokens_per_pos = (7, 2, 1)
+    m.record_stats(s, [])
+    assert rec.by_tag("spec_decode_num_accepted_tokens_per_pos", "position") == {"0": 7, "1": 2, "2": 1}
 
 
 def test_lora_stats_become_per_adapter_gauges_and_vllms_info_series():
@@ -171,6 +176,7 @@ def test_every_counter_is_exported_at_zero_from_the_start():
     IngressMetrics(rec)
     assert {name for name, _ in rec.zeros} == {name for name, d in METRICS.items() if d.kind == "counter"}
     assert {t["finished_reason"] for n, t in rec.zeros if n == "request_success"} == {"stop", "length", "abort"}
+    assert [t for n, t in rec.zeros if n == "spec_decode_num_accepted_tokens_per_pos"] == [{"position": "0"}]
     reasons = {cls.metric_reason for cls in subclasses(ServingError)} - {None}
     assert {t["reason"] for n, t in rec.zeros if n == "requests_rejected"} == set(REJECTION_REASONS) == reasons
     assert not rec.calls  # nothing counted yet

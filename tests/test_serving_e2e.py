@@ -18,6 +18,7 @@ from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from tests.factories import make_lora_dir
 from tests.hostile_cases import KINDS
 from tests.ray_cluster import Service, served_app
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -361,9 +362,15 @@ def test_overload_is_refused_and_the_service_keeps_serving(service):
 
 def test_health_info_tokenize_and_cli(service, offline, capsys):
     health = health_pb2_grpc.HealthStub(service.channel)
-    for name in ("", "slotserve.v1.SlotServe"):
-        reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def status(name: str) -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+
+    assert status("") == health_pb2.HealthCheckResponse.SERVING
+    # The engine service turns SERVING once the ingress has seen a healthy replica's load report (first in
+    # the module when this test runs alone).
+    wait_until(lambda: status("slotserve.v1.SlotServe") == health_pb2.HealthCheckResponse.SERVING,
+               "the engine service's health to be SERVING")
     info = service.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info.served_model_name, info.max_model_len, info.max_prompt_tokens) == ("tiny", 1024, MAX_PROMPT_TOKENS)
     assert info.quantization == "none"
