@@ -38,7 +38,7 @@ from typing import AsyncIterator, Protocol
 import msgspec
 
 from deployments.engine_client import ends_request
-from deployments.link_wire import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, Submit,
+from deployments.link_wire import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, SubmitIn,
                                    check_token, frame, keepalive, mac, new_token, outputs, read_ingress_frame, wire_id)
 
 __all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTls", "check_token", "new_token"]
@@ -171,8 +171,12 @@ class LinkServer:
             forward.add_done_callback(lambda _: writer.close())  # a broken forwarder ends the link
             while True:
                 message = await read_ingress_frame(reader)
-                if isinstance(message, Submit):
-                    self.submit(connection, message.request.as_dict())
+                if isinstance(message, SubmitIn):
+                    key, request = message.take()
+                    if isinstance(request, Exception):
+                        self.refuse(connection, key, request)
+                    else:
+                        self.submit(connection, request)
                 elif isinstance(message, Abort):
                     found = self._abort(connection, message)
                     if message.reply is not None:
@@ -183,7 +187,7 @@ class LinkServer:
             pass  # the ingress went away (or its keepalive expired): its requests are aborted below
         except asyncio.CancelledError:
             pass  # closed by us (shutdown, or replaced by a newer link of its ingress)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:  # a bad frame ends this link
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:  # a frame naming no request
             logger.warning("engine link from %s closed: bad frame (%s)", writer.get_extra_info("peername"), exc)
         except Exception:  # noqa: BLE001 - anything else ends this link too, never the replica
             logger.exception("engine link from %s failed", writer.get_extra_info("peername"))
@@ -205,6 +209,12 @@ class LinkServer:
         connection.started[key] = time.monotonic()
         connection.unstarted[key] = request
         connection.pumps[key] = asyncio.get_running_loop().create_task(self._pump(connection, key, request))
+
+    def refuse(self, connection: Connection, key: str, error: Exception) -> None:
+        """Answer a request that cannot be taken with its error; nothing of it runs."""
+        logger.warning("engine link from ingress %s: %s", connection.ingress_id, error)
+        connection.started[key] = time.monotonic()
+        connection.push((key, None, error))
 
     def _abort(self, connection: Connection, abort: Abort) -> bool:
         key = next((k for k, r in connection.unstarted.items() if r["request_id"] == abort.request_id), None)

@@ -1,8 +1,9 @@
 """The engine link's wire (deployments.link): the token, the handshake's proofs, typed frames.
 
 A frame is a 4-byte length and a MessagePack document decoded by msgspec into the structs
-below, and into nothing else: what a peer sends can be a wrong value (then the link ends), never
-code to run. Sampling parameters arrive as a plain map and go through ``SamplingParams``'s own
+below, and into nothing else: what a peer sends can be a wrong value, never code to run. A
+request the replica cannot take is answered with its error alone (``SubmitIn``); a frame that names
+no request ends the link. Sampling parameters arrive as a plain map and go through ``SamplingParams``'s own
 validation. A peer proves it holds the application's token with an HMAC over both sides' fresh
 nonces, labelled by its side, so the token itself never crosses the wire and a recorded proof
 is worth nothing on the next connection; with TLS configured the link is also encrypted.
@@ -86,6 +87,31 @@ class Submit(msgspec.Struct, tag="submit"):
     request: EngineRequest
 
 
+class SubmitIn(msgspec.Struct, tag="submit"):
+    """A ``Submit`` as the replica reads it: the request stays encoded until ``take``, so a request the
+    replica cannot take (a wrong field, a newer ingress's value) fails alone, not the link with every
+    other stream on it."""
+
+    request: msgspec.Raw
+
+    def take(self) -> tuple[str, dict | Exception]:
+        """The request's wire id and its dict, or the error to answer it with. Raises
+        msgspec.ValidationError when not even its id can be read: then nothing can be answered."""
+        head = _request_head.decode(self.request)
+        key = wire_id({"request_id": head.request_id, "attempt": head.attempt})
+        try:
+            return key, _engine_request.decode(self.request).as_dict()
+        except (msgspec.ValidationError, TypeError, ValueError) as exc:  # ValueError: SamplingParams's own
+            return key, InvalidRequestError(f"engine replica refused request {head.request_id!r}: {exc}")
+
+
+class RequestHead(msgspec.Struct):
+    """What names a request on the wire: enough to answer one that is otherwise unreadable."""
+
+    request_id: str
+    attempt: int = 0
+
+
 class Abort(msgspec.Struct, tag="abort"):
     request_id: str
     index: int | None = None
@@ -94,7 +120,6 @@ class Abort(msgspec.Struct, tag="abort"):
     """Answer with ``Found(reply, ...)``: an abort by request id, of a stream another ingress may hold."""
 
 
-IngressFrame = Union[Hello, Submit, Abort]
 
 
 # -- replica -> ingress: batches of outputs, one per engine step
@@ -145,7 +170,9 @@ ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
 replica from an overloaded one by class."""
 
 _encoder = msgspec.msgpack.Encoder()
-_ingress_frames = msgspec.msgpack.Decoder(IngressFrame)
+_ingress_frames = msgspec.msgpack.Decoder(Union[Hello, SubmitIn, Abort])
+_engine_request = msgspec.msgpack.Decoder(EngineRequest)
+_request_head = msgspec.msgpack.Decoder(RequestHead)
 _replica_frames = msgspec.msgpack.Decoder(Union[list[Output], Found])
 
 
@@ -226,9 +253,13 @@ async def _read(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(size)
 
 
-async def read_ingress_frame(reader: asyncio.StreamReader) -> IngressFrame:
-    """The next frame from an ingress; msgspec.ValidationError / DecodeError when it is not one."""
-    return _ingress_frames.decode(await _read(reader))
+def decode_ingress_frame(data: bytes) -> Hello | SubmitIn | Abort:
+    """A frame's body from an ingress; msgspec.ValidationError / DecodeError when it is not one."""
+    return _ingress_frames.decode(data)
+
+
+async def read_ingress_frame(reader: asyncio.StreamReader) -> Hello | SubmitIn | Abort:
+    return decode_ingress_frame(await _read(reader))
 
 
 async def read_outputs(reader: asyncio.StreamReader) -> list[tuple] | Found:

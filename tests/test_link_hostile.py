@@ -20,7 +20,8 @@ import pytest
 import deployments.link as link
 from deployments.link import new_token
 from deployments.link_client import LinkEngineClient
-from deployments.link_wire import Hello, Submit, frame
+from deployments.link_wire import Hello, Submit, decode_ingress_frame, frame, read_outputs
+from engine.errors import InvalidRequestError
 from tests.serving_helpers import run
 from tests.test_link import _replicas, _request, _shutdown, _tokens
 
@@ -55,11 +56,14 @@ PAST_HANDSHAKE = {
     "garbage": lambda marker: _framed(secrets.token_bytes(64)),
     "a frame longer than the limit": lambda marker: struct.pack("!I", 1 << 31) + b"\0" * 64,
     "a second hello": lambda marker: frame(Hello("again")),
-    "token ids of the wrong type": lambda marker: _submit_with(prompt_token_ids=["1", "2"]),
-    "sampling parameters out of range": lambda marker: frame(Submit({
-        **_request(0), "ingress_id": "hostile", "params": {"temperature": -1.0}})),
-    "a sampling field that does not exist": lambda marker: frame(Submit({
-        **_request(0), "ingress_id": "hostile", "params": {"__class__": "os.system"}})),
+    "a submit that names no request": lambda marker: frame(Submit({
+        key: value for key, value in _request(0).items() if key != "request_id"})),
+}
+
+REFUSED = {  # a request the replica cannot take, and the field its error must name
+    "token ids of the wrong type": ({"prompt_token_ids": ["1", "2"]}, "prompt_token_ids"),
+    "sampling parameters out of range": ({"params": {"temperature": -1.0}}, "temperature"),
+    "a sampling field that does not exist": ({"params": {"__class__": "os.system"}}, "__class__"),
 }
 
 
@@ -136,23 +140,22 @@ def test_a_peer_without_the_token_is_refused_before_any_frame_is_read(case, tmp_
 
 
 def test_a_submit_arrives_as_the_request_the_ingress_sent():
-    from deployments.link_wire import IngressFrame
     from router.policy import ROUTING_NOTE
 
     sent = {**_request(3), "ingress_id": "i", "priority": 2, "attempt": 1, "resume_token_ids": [7, 8],
             "trace_context": {"traceparent": "00-ab-cd-01"}, "operation": "chat",
             ROUTING_NOTE: {"reason": "prefix", "time_ns": 5}}
-    got = msgspec.msgpack.decode(frame(Submit(sent))[4:], type=IngressFrame).request.as_dict()
-    assert got == sent  # the router's note included, under the key the replica's tracing reads
+    key, got = decode_ingress_frame(frame(Submit(sent))[4:]).take()
+    assert key == "r3~1" and got == sent  # the router's note included, under the key the replica's tracing reads
 
 
 def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
-    from deployments.link_wire import IngressFrame, Output, as_item, outputs
+    from deployments.link_wire import Output, as_item, outputs
     from deployments.replica import stream_message
     from engine.outputs import RequestTiming, StreamOutput
 
     sent = {**_request(4), "ingress_id": "i", "resume_choices": {1: [5, 6], 2: []}}
-    got = msgspec.msgpack.decode(frame(Submit(sent))[4:], type=IngressFrame).request.as_dict()
+    _, got = decode_ingress_frame(frame(Submit(sent))[4:]).take()
     assert got["resume_choices"] == {1: [5, 6], 2: []}
     out = StreamOutput("r", [9], finished=True, finish_reason="stop", new_logprobs=[{9: -0.5, 3: -1.0}],
                        num_prompt_tokens=3, num_output_tokens=1, timing=RequestTiming(arrival_time=0.0), index=2,
@@ -172,3 +175,43 @@ def test_the_link_reads_typed_frames_only():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] if isinstance(node, ast.ImportFrom) else [])
             assert not {"pickle", "marshal", "cloudpickle", "dill"} & set(names), f"{path} imports {names}"
+
+
+async def _finals(reader, keys: set[str]) -> dict[str, list]:
+    """Every item read from a raw link until each of ``keys`` has had its last one."""
+    items: dict[str, list] = {key: [] for key in keys}
+    done = lambda item: item[2] is not None or item[1]["finish_reason"] is not None  # noqa: E731
+    while not all(seen and done(seen[-1]) for seen in items.values()):
+        for item in await asyncio.wait_for(read_outputs(reader), 5):
+            items.setdefault(item[0], []).append(item)
+    return items
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_submit_the_replica_cannot_take_fails_alone_and_its_link_serves_on(case):
+    """A version skew or a hostile field costs its own request an error, not the link's other streams."""
+    changes, field = REFUSED[case]
+
+    async def main():
+        token = new_token()
+        (rep,) = _replicas(token)
+        await asyncio.sleep(0)
+        reader, writer = await _connect(rep)
+        await _handshake(reader, writer, token)
+        busy = frame(Submit({**_request(0, max_tokens=40), "ingress_id": "hostile"}))
+        # a field this replica does not know (a newer ingress's, in a rolling update) is ignored
+        after = frame(Submit({**_request(2), "ingress_id": "hostile", "a_newer_field": {"x": 1}}))
+        writer.write(busy + _submit_with(request_id="bad", **changes) + after)  # one read
+        items = await _finals(reader, {"r0", "bad", "r2"})
+        (refused,) = items["bad"]
+        assert refused[1] is None and isinstance(refused[2], InvalidRequestError) and field in str(refused[2])
+        for key, want in (("r0", 40), ("r2", 12)):
+            assert sum(len(item[1]["token_ids"]) for item in items[key]) == want
+            assert items[key][-1][1]["finish_reason"] == "length"
+        writer.write(frame(Submit({**_request(3), "ingress_id": "hostile"})))  # the link is still open
+        assert sum(len(item[1]["token_ids"]) for item in (await _finals(reader, {"r3"}))["r3"]) == 12
+        writer.close()
+        stats = rep.engine.stats()
+        assert stats.num_finished == 3 and stats.running == 0 and stats.waiting == 0
+        await _shutdown([rep])
+    run(main())
