@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "checks.h"
 #include "kv_layout.h"
 #include "vec.h"
 
@@ -119,6 +120,7 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == k.size(0),
               "write_kv: slot_mapping must be contiguous int64, one slot per token");
+  slotserve::check_slots(slot_mapping.data_ptr<int64_t>(), k.size(0), k_cache.size(0), bs);
   const Slots s{k.size(0), k.size(1), D, bs, k_cache.stride(0), k_cache.stride(1), slot_mapping.data_ptr<int64_t>()};
   switch (k.scalar_type()) {
     case at::kFloat: write_any<float>(k_cache, v_cache, k, v, s); break;

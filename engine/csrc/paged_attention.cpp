@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "checks.h"
 #include "kv_layout.h"
 #include "score_int8.h"
 #include "values_int8.h"
@@ -364,13 +365,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q.size(2) % W == 0, "paged_attention: head_dim must be a multiple of ", W, ", got ", q.size(2));
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q rows must be contiguous");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "paged_attention: out must be contiguous, q's shape");
-  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seqlens_k.scalar_type() == at::kInt &&
-                  block_table.scalar_type() == at::kInt,
-              "paged_attention: cu_seqlens_q, seqlens_k and block_table must be int32");
-  TORCH_CHECK(cu_seqlens_q.is_contiguous() && seqlens_k.is_contiguous() && block_table.is_contiguous(),
-              "paged_attention: index tensors must be contiguous");
-  TORCH_CHECK(cu_seqlens_q.numel() == seqlens_k.numel() + 1 && block_table.size(0) == seqlens_k.numel(),
+  for (const at::Tensor* index : {&cu_seqlens_q, &seqlens_k, &block_table})
+    TORCH_CHECK(index->scalar_type() == at::kInt && index->is_contiguous(),
+                "paged_attention: cu_seqlens_q, seqlens_k and block_table must be int32, contiguous");
+  TORCH_CHECK(cu_seqlens_q.numel() == seqlens_k.numel() + 1 && block_table.dim() == 2 &&
+                  block_table.size(0) == seqlens_k.numel(),
               "paged_attention: cu_seqlens_q has one entry more than seqlens_k, block_table a row per request");
+  check_paged_indices(q, k_cache, cu_seqlens_q, seqlens_k, block_table, block_size);
   switch (q.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(out, q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, block_size, scale);
