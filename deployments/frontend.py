@@ -217,7 +217,7 @@ class Frontend:
                                timeout_s=effective_timeout(inp.timeout_s, self.config.request_timeout_s),
                                trace_context=trace_context, client_request_id=inp.request_id,
                                operation="chat" if inp.messages is not None else "text_completion", lora=lora,
-                               lora_path=lora_path)
+                               lora_path=lora_path, cache_salt=inp.cache_salt)
 
     # -- streaming -------------------------------------------------------------------
 

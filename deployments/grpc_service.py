@@ -132,7 +132,8 @@ def generate_input(msg: pb.GenerateRequest, tools: ToolUse = ToolUse()) -> Gener
         messages=_messages(msg.messages) if which == "messages" else None,
         prompt_token_ids=tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
         sampling=sampling, tools=tools.template_tools, model=msg.model or None,
-        request_id=msg.request_id or None, priority=msg.priority, timeout_s=msg.timeout_s or None)
+        request_id=msg.request_id or None, priority=msg.priority, timeout_s=msg.timeout_s or None,
+        cache_salt=msg.cache_salt or None)
 
 
 def _messages(messages: pb.Messages) -> list[dict]:

@@ -65,6 +65,7 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     lora_path: str | None = None
     """Where a replica that lacks ``lora`` loads it from (an adapter loaded at run time)."""
     trace_context: dict[str, str] | None = None
+    cache_salt: str | None = None
     operation: str = "text_completion"
     routing: dict[str, Any] | None = None
     """The router's decision, under the key it writes it to (``router.policy.ROUTING_NOTE``)."""
@@ -73,7 +74,7 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         """The replica's request dict; a bad sampling field raises SamplingParams's error."""
         request = msgspec.structs.asdict(self)
         request["params"] = SamplingParams(**self.params)
-        for key in ("resume_choices", "lora", "lora_path"):
+        for key in ("resume_choices", "lora", "lora_path", "cache_salt"):
             if request[key] is None:
                 del request[key]
         return request

@@ -82,6 +82,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     max_tokens: Any = None
     priority: Any = 0
+    cache_salt: Any = None
     temperature: Any = None
     top_p: Any = None
     presence_penalty: Any = None
@@ -291,6 +292,7 @@ def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBod
     text = req.prompt if isinstance(req.prompt, str) else None
     inp = GenerateInput(prompt=text, prompt_token_ids=None if text is not None else req.prompt, sampling=sampling,
                         model=req.model, request_id=request_id, priority=req.priority_or_default,
+                        cache_salt=req.cache_salt,
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
     return ParsedBody(inp, bool(req.stream), req.include_usage, echo=bool(req.echo))
 
@@ -303,5 +305,5 @@ def parse_chat_body(body: Any, request_id: str | None = None, tool_parser: str =
     if tools.structured_outputs is not None:
         sampling["structured_outputs"] = tools.structured_outputs
     inp = GenerateInput(messages=req.messages, sampling=sampling, tools=tools.template_tools, model=req.model,
-                        request_id=request_id, priority=req.priority_or_default)
+                        request_id=request_id, priority=req.priority_or_default, cache_salt=req.cache_salt)
     return ParsedBody(inp, bool(req.stream), req.include_usage, tools)

@@ -26,6 +26,7 @@ from deployments.openai_protocol import (REFUSED, ChatRequest, CompletionRequest
                                          StreamOptions)
 from deployments.requests import PRIORITY_RANGE, Messages
 from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolDef
+from engine.kv.hashing import MAX_CACHE_SALT_CHARS
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 
 REF = "#/components/schemas/{model}"
@@ -217,6 +218,9 @@ def _own_fields(chat: bool, models: tuple[str, ...]) -> dict[str, dict]:
         "parallel_tool_calls": _nullable({"type": "boolean"}),
         "priority": _nullable({"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1],
                                "description": "lower is scheduled first (vLLM's priority scheduling)"}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
+                                 "description": "cached prompt blocks are shared only with requests of the same "
+                                                "salt (vLLM's field)"}),
     }
     if chat:
         fields["messages"] = {"$ref": REF.format(model="Messages")}

@@ -148,7 +148,8 @@ class EngineReplica:
         stream = self._engine.generate(request["prompt_token_ids"], request["params"], request_id=rid,
                                        priority=request.get("priority", 0),
                                        resume_token_ids=request.get("resume_token_ids", ()),
-                                       resume_choices=request.get("resume_choices"), lora=request.get("lora"))
+                                       resume_choices=request.get("resume_choices"), lora=request.get("lora"),
+                                       cache_salt=request.get("cache_salt"))
         self._active.add(rid)
         self._start_metrics_loop()
         request_metrics = self._metrics.request()

@@ -18,6 +18,7 @@ from pydantic import Field, SkipValidation, TypeAdapter, ValidationError, field_
 
 from deployments.errors import BadRequest
 from engine.errors import InvalidRequestError
+from engine.kv.hashing import MAX_CACHE_SALT_CHARS
 from engine.sampling import SamplingParams
 from engine.structured import check as check_grammar
 from engine.tokenizer import ChatMessage
@@ -69,6 +70,8 @@ class GenerateInput:
     timeout_s: Float | None = Field(None, ge=0)
     """Seconds the request may take; None or 0: the server's limit (if any)."""
     default_max_tokens: int | None = None
+    cache_salt: Str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    """vLLM's field: the prompt's cached blocks are shared only with requests of the same salt."""
 
     @field_validator("request_id", mode="before")
     @classmethod
@@ -105,6 +108,8 @@ class PreparedRequest:
     """The LoRA adapter the client named as its ``model``; None: the base model."""
     lora_path: str | None = None
     """Its directory, when it was loaded at run time (a replica lacking it loads it from there)."""
+    cache_salt: str | None = None
+    """Cached prefix blocks are shared only between requests of the same salt (``salted_root``)."""
 
     def engine_request(self, resume_token_ids: Sequence[int] = (), attempt: int = 0,
                        resume_choices: Mapping[int, Sequence[int]] | None = None) -> dict:
@@ -130,6 +135,8 @@ class PreparedRequest:
             request["lora"] = self.lora
             if self.lora_path is not None:
                 request["lora_path"] = self.lora_path
+        if self.cache_salt is not None:
+            request["cache_salt"] = self.cache_salt
         if attempt:
             request["attempt"] = attempt
         return request

@@ -24,6 +24,7 @@ from typing import AsyncIterator, Mapping, Sequence
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.kv.hashing import ROOT_HASH, salted_root
 from engine.outputs import EngineStats, StreamOutput
 from engine.sampling import SamplingParams
 
@@ -139,20 +140,22 @@ class AsyncEngine:
                        request_id: str | None = None, priority: int = 0,
                        resume_token_ids: Sequence[int] = (),
                        resume_choices: Mapping[int, Sequence[int]] | None = None,
-                       lora: str | None = None) -> AsyncIterator[StreamOutput]:
+                       lora: str | None = None, cache_salt: str | None = None) -> AsyncIterator[StreamOutput]:
         """Submit a request and stream its outputs (each choice's, with ``n`` > 1); closing the stream
         aborts the request.
 
-        ``resume_token_ids``, ``resume_choices``, ``lora``: see ``LLMEngine.add_request``."""
+        ``resume_token_ids``, ``resume_choices``, ``lora``, ``cache_salt``: see ``LLMEngine.add_request``."""
         self.check_health()
         params = params or SamplingParams()
         prompt = self.engine.check_request(prompt_token_ids, params, priority)
         if lora is not None:
             self.engine.adapter(lora)  # an unknown name fails here, before anything is queued
+        if cache_salt is not None:
+            salted_root(ROOT_HASH, cache_salt)  # so does a bad salt
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
         self._register(request_id, stream, ("add", request_id, prompt, params, priority, time.monotonic(),
-                                                tuple(resume_token_ids), resume_choices, lora))
+                                                tuple(resume_token_ids), resume_choices, lora, cache_salt))
         finished = False
         try:
             while not finished:
@@ -254,10 +257,10 @@ class AsyncEngine:
                 else:
                     _call_soon(loop, lambda r=result: done.done() or done.set_result(r))
                 continue
-            _, rid, prompt, params, priority, arrival, resume, choices, lora = item
+            _, rid, prompt, params, priority, arrival, resume, choices, lora, salt = item
             try:
                 self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival, resume_token_ids=resume,
-                                        resume_choices=choices, lora=lora)
+                                        resume_choices=choices, lora=lora, cache_salt=salt)
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 stream = self._streams.get(rid)
                 if stream is not None:

@@ -22,11 +22,13 @@ from engine.config import EngineConfig
 from engine.cpu_features import describe_host
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.kv.block_manager import BlockManager
+from engine.kv.hashing import ROOT_HASH, salted_root
 from engine.lora import LoRAManager
 from engine.lora.engine_api import EngineAdapters
 from engine.model import ModelArch
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
 from engine.request import Request, RequestStatus
+from engine.request_checks import RequestChecks
 from engine.runner import ModelRunner
 from engine.sampling import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler
@@ -59,7 +61,7 @@ def _grammar_step(req: Request, tok: int) -> str | None:
     return FINISH_STOP if req.matcher.is_stopped() else None
 
 
-class LLMEngine(EngineAdapters, EngineSpeculation):
+class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
     def __init__(self, config: EngineConfig, launcher=None) -> None:
         """``launcher``: how tensor-parallel rank workers start (engine.tp.launcher.RankLauncher;
         default: local processes). Unused at tensor_parallel_size 1."""
@@ -134,39 +136,22 @@ class LLMEngine(EngineAdapters, EngineSpeculation):
         return self.arch.vocab_size
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0) -> list[int]:
-        """Validate without touching engine state; returns the prompt as a list of ints."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
-            raise InvalidRequestError("prompt_token_ids must be a list of token ids")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequestError("prompt_token_ids must not be empty")
-        self._check_ids("prompt_token_ids", prompt)
-        if params.logit_bias:
-            self._check_ids("logit_bias keys", list(params.logit_bias))
-        if len(prompt) >= self.max_total_tokens:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; at most {self.max_total_tokens - 1} fit "
-                f"(max_model_len {self.max_model_len}, KV pool {self.runner.num_blocks * self.block_manager.block_size}"
-                f" tokens)")
-        return prompt
-
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
                     resume_token_ids: Sequence[int] = (),
-                    resume_choices: Mapping[int, Sequence[int]] | None = None, lora: str | None = None) -> str:
+                    resume_choices: Mapping[int, Sequence[int]] | None = None, lora: str | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request. ``resume_token_ids``: output tokens it already produced elsewhere (a
         replica died mid-stream); they are recomputed like a preempted request's, counted in
         ``max_tokens`` and in the seeded sampler's positions, and not emitted again.
         ``resume_choices``: the same for ``n`` > 1, by choice index: only the choices named run.
-        ``lora``: the name of a served LoRA adapter to run with (None: the base model)."""
+        ``lora``: the name of a served LoRA adapter to run with (None: the base model).
+        ``cache_salt``: its prompt's cached blocks are shared only with requests of the same salt."""
         params = params or SamplingParams()
         prompt = self.check_request(prompt_token_ids, params, priority)
         adapter = self.adapter(lora) if lora is not None else None
+        root = adapter.root_hash if adapter is not None else ROOT_HASH
+        root = salted_root(root, cache_salt) if cache_salt is not None else root
         plan = self._choices(prompt, params, resume_token_ids, resume_choices)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
@@ -191,9 +176,8 @@ class LLMEngine(EngineAdapters, EngineSpeculation):
                           self.eos_token_ids, arrival_time, index)
             req.token_ids.extend(done)
             req.matcher = matchers.get(index)
-            if adapter is not None:
-                req.lora_name, req.root_hash = adapter.name, adapter.root_hash
-                req.last_block_hash = adapter.root_hash
+            req.lora_name = adapter.name if adapter is not None else None
+            req.root_hash = req.last_block_hash = root
             req.record(req.timing.arrival_time, "queued", self.scheduler.num_waiting, len(self.scheduler.running))
             choices.append(req)
         self.requests[request_id] = choices
@@ -208,44 +192,6 @@ class LLMEngine(EngineAdapters, EngineSpeculation):
         for req in (lead, *rest):
             self.scheduler.add(req)
         return request_id
-
-    def _choices(self, prompt: list[int], params: SamplingParams, resume_token_ids: Sequence[int],
-                 resume_choices: Mapping[int, Sequence[int]] | None) -> dict[int, list[int]]:
-        """Index -> output tokens already produced, for each choice to run."""
-        if resume_choices is None:
-            plan = {i: [] for i in range(params.n)}
-            if resume_token_ids:
-                if params.n > 1:
-                    raise InvalidRequestError("resume_token_ids is for n = 1; give resume_choices for n > 1")
-                plan[0] = self._check_resume(prompt, params, resume_token_ids)
-            return plan
-        if resume_token_ids:
-            raise InvalidRequestError("give resume_token_ids or resume_choices, not both")
-        if not isinstance(resume_choices, Mapping) or not resume_choices:
-            raise InvalidRequestError("resume_choices must map choice indices to output token ids")
-        for i in resume_choices:  # checked before sorting: keys of mixed types do not sort
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < params.n:
-                raise InvalidRequestError(f"resume_choices keys must be choice indices in [0, {params.n}), got {i!r}")
-        return {i: self._check_resume(prompt, params, resume_choices[i]) for i in sorted(resume_choices)}
-
-    def _check_ids(self, name: str, ids: list) -> None:
-        vocab = self.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"{name} must be integers in [0, {vocab}), got {t!r}")
-
-    def _check_resume(self, prompt: list[int], params: SamplingParams, resume: Sequence[int]) -> list[int]:
-        resumed = list(resume)
-        if not resumed:
-            return resumed
-        self._check_ids("resume_token_ids", resumed)
-        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
-            raise InvalidRequestError(f"resume_token_ids has {len(resumed)} tokens; max_tokens "
-                                      f"({params.max_tokens}) leaves nothing to generate")
-        if len(prompt) + len(resumed) >= self.max_total_tokens:
-            raise InvalidRequestError(f"prompt and resumed tokens ({len(prompt) + len(resumed)}) leave no room "
-                                      f"within {self.max_total_tokens} tokens")
-        return resumed
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Drop a request (or one of its choices); its slots and blocks are free before the next step."""

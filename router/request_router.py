@@ -24,7 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from engine.kv.hashing import ROOT_HASH, prefix_routing_keys
+from engine.kv.hashing import ROOT_HASH, prefix_routing_keys, salted_root
 from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ROUTING_REASONS, Ranking, ReplicaLoad,
                            RouterSettings, rank_replicas)
 
@@ -167,14 +167,7 @@ class SlotAwareRequestRouter(RequestRouter):
         prompt = ids if isinstance(ids, (list, tuple)) else []
         adapter = request.get("lora") if request is not None else None
         adapter = adapter if isinstance(adapter, str) else None
-        hashes: list[int] = []
-        root = _adapter_root(list(loads.values()), adapter)
-        if prompt and self._settings.max_prefix_blocks and root is not None:
-            try:
-                hashes = prefix_routing_keys(prompt, _block_size(list(loads.values()), self._settings.block_size),
-                                             max_blocks=self._settings.max_prefix_blocks, root=root)
-            except ValueError:  # ids no engine accepts: route on load, the replica rejects the request
-                pass
+        hashes = request_prefix_keys(request, list(loads.values()), self._settings) if prompt else []
         ranking = rank_replicas(list(loads.values()), hashes, time.time(), self._rng, self._settings.stale_after_s,
                                 prompt_len=len(prompt), load_slack=self._settings.load_slack,
                                 adapter=adapter if self._settings.lora_affinity else None)
@@ -317,6 +310,21 @@ def _block_size(loads: list[ReplicaLoad], fallback: int) -> int:
         if load.known:
             counts[load.block_size] = counts.get(load.block_size, 0) + 1
     return max(counts, key=counts.__getitem__) if counts else fallback
+
+
+def request_prefix_keys(request: Mapping, loads: list[ReplicaLoad], settings: RouterSettings) -> list[int]:
+    """The routing keys of ``request``'s full prompt blocks, in the chain its engine will cache them
+    under (its adapter's root, salted by its ``cache_salt``); none when that chain cannot be named."""
+    adapter, salt = request.get("lora"), request.get("cache_salt")
+    root = _adapter_root(loads, adapter if isinstance(adapter, str) else None)
+    if root is None or not settings.max_prefix_blocks:
+        return []
+    try:
+        root = salted_root(root, salt) if salt is not None else root
+        return prefix_routing_keys(request["prompt_token_ids"], _block_size(loads, settings.block_size),
+                                   max_blocks=settings.max_prefix_blocks, root=root)
+    except ValueError:  # ids (or a salt) no engine accepts: route on load, the replica rejects the request
+        return []
 
 
 def _adapter_root(loads: list[ReplicaLoad], adapter: str | None) -> bytes | None:

@@ -143,7 +143,7 @@ def test_a_submit_arrives_as_the_request_the_ingress_sent():
     from router.policy import ROUTING_NOTE
 
     sent = {**_request(3), "ingress_id": "i", "priority": 2, "attempt": 1, "resume_token_ids": [7, 8],
-            "trace_context": {"traceparent": "00-ab-cd-01"}, "operation": "chat",
+            "trace_context": {"traceparent": "00-ab-cd-01"}, "operation": "chat", "cache_salt": "tenant-a",
             ROUTING_NOTE: {"reason": "prefix", "time_ns": 5}}
     key, got = decode_ingress_frame(frame(Submit(sent))[4:]).take()
     assert key == "r3~1" and got == sent  # the router's note included, under the key the replica's tracing reads

@@ -63,7 +63,9 @@ def test_stop_string_cuts_text_and_tokens_and_frees_the_slot(tokenizer):
 def test_abort_by_request_id_ends_the_stream(tokenizer):
     async def main():
         fe, reps = make_frontend(tokenizer, step_delay_s=0.02)
-        req = await fe.prepare(GenerateInput(prompt="hi", request_id="abc", sampling={"max_tokens": 500}))
+        req = await fe.prepare(GenerateInput(prompt="hi", request_id="abc", sampling={"max_tokens": 500},
+                                             cache_salt="tenant-a"))
+        assert req.cache_salt == "tenant-a"  # the engine keys its cached blocks by it (tests/test_cache_salt.py)
         stream = fe.stream(req)
         first = await stream.__anext__()
         assert first.finish_reason is None and first.client_request_id == "abc" and first.request_id != "abc"

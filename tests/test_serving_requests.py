@@ -117,16 +117,19 @@ def test_engine_request_carries_token_ids_only():
     context = {"traceparent": "00-ab-cd-01", "tracestate": "vendor=1"}
     req = PreparedRequest("r1", (1, 2, 3), params, priority=2, trace_context=context).engine_request()
     assert req["prompt_token_ids"] == [1, 2, 3] and req["priority"] == 2 and req["trace_context"] == context
-    assert req["params"].stop == () and req["params"].max_tokens == 5
+    assert req["params"].stop == () and req["params"].max_tokens == 5 and "cache_salt" not in req
+    salted = PreparedRequest("r2", (1, 2, 3), params, cache_salt="tenant-a").engine_request()
+    assert salted["cache_salt"] == "tenant-a"
 
 
 # -- OpenAI bodies -----------------------------------------------------------------------
 
 def test_completion_body():
     parsed = parse_completion_body({"model": "m", "prompt": "hi", "max_tokens": 5, "top_k": 3, "priority": 1,
-                                    "stream": True, "stream_options": {"include_usage": True}, "user": "u"})
+                                    "cache_salt": "s1", "stream": True, "stream_options": {"include_usage": True},
+                                    "user": "u"})
     assert parsed.stream and parsed.include_usage
-    assert parsed.input.prompt == "hi" and parsed.input.priority == 1
+    assert parsed.input.prompt == "hi" and parsed.input.priority == 1 and parsed.input.cache_salt == "s1"
     assert parsed.input.sampling == {"max_tokens": 5, "top_k": 3}
     assert parse_completion_body({"model": "m", "prompt": [[1, 2]]}).input.prompt_token_ids == (1, 2)
     assert parse_completion_body({"model": "m", "prompt": ["one"]}).input.prompt == "one"

@@ -14,6 +14,8 @@ import struct
 from functools import lru_cache
 from typing import Sequence
 
+from engine.errors import InvalidRequestError
+
 DIGEST_SIZE = 32
 ROOT_HASH = hashlib.sha256(b"slotserve/kv-prefix/v1").digest()  # parent of the first block
 
@@ -32,6 +34,19 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     except struct.error as exc:
         raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
     return hashlib.sha256(parent_hash + packed).digest()
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def salted_root(root: bytes, cache_salt: str) -> bytes:
+    """The first parent of a chain salted with ``cache_salt`` (vLLM's per-request field): requests of
+    different salts never share a cached block, so a client cannot probe another's prompts through
+    ``cached_tokens``; requests of one salt share as usual."""
+    if not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                  f"characters, got {cache_salt!r:.80}")
+    return hashlib.sha256(root + b"salt" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def routing_key(digest: bytes) -> int:
