@@ -27,6 +27,7 @@ from deployments.frontend import FrontendConfig
 from deployments.ingress import ENGINE_DEPLOYMENT, RouterIngress
 from deployments.link import LINK_TOKEN_ENV, LinkTls, new_token
 from deployments.replica import ServeEngineReplica
+from deployments.requests import PRIORITY_RANGE
 from deployments.tp_launcher import NOSET_VISIBLE_DEVICES
 from router.autoscale import autoscaling_config
 from router.request_router import request_router_config
@@ -142,6 +143,11 @@ class AppConfig(BaseModel):
     """How the served model writes tool calls (vLLM's ``--tool-call-parser``): ``hermes`` for
     Hermes / Qwen / SmolLM and models given slotserve's tool prompt, ``llama3_json`` for Llama 3."""
     request_timeout_s: Float | None = Field(None, gt=0)
+    allowed_priority: tuple[Annotated[Int, Field(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])],
+                            Annotated[Int, Field(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])]] = (0, 0)
+    """[lowest, highest] ``priority`` a client may send (lower is scheduled first and preempted last).
+    The default [0, 0] refuses any other, as vLLM does without priority scheduling: otherwise any
+    client could put itself ahead of everyone."""
     lora_load_dir: Str | None = Field(None, min_length=1)
     """LoRA adapters may be loaded at run time (``POST /v1/load_lora_adapter``) from inside this
     directory only; None: that API is off (as vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
@@ -174,6 +180,13 @@ class AppConfig(BaseModel):
         if path is not None and (not path.startswith("/") or not path.strip("/")):
             raise ValueError("must be an absolute directory other than /")
         return path
+
+    @field_validator("allowed_priority")
+    @classmethod
+    def _ordered(cls, bounds: tuple[int, int]) -> tuple[int, int]:
+        if bounds[0] > bounds[1]:
+            raise ValueError(f"must be [lowest, highest], got {list(bounds)}")
+        return bounds
 
     @field_validator("api_keys")
     @classmethod
@@ -261,7 +274,7 @@ def frontend_config(cfg: AppConfig) -> FrontendConfig:
                           api_keys_file=cfg.api_keys_file, ingress_replicas=cfg.ingress.num_replicas,
                           tool_call_parser=cfg.tool_call_parser,
                           lora_adapters=tuple((cfg.engine.get("lora") or {}).get("adapters", {})),
-                          lora_load_dir=cfg.lora_load_dir)
+                          lora_load_dir=cfg.lora_load_dir, allowed_priority=cfg.allowed_priority)
 
 
 def _autoscaling_config(cfg: AppConfig):

@@ -69,6 +69,8 @@ class FrontendConfig:
     """LoRA adapters the engines serve (engine option ``lora.adapters``): each is a ``model`` of its own."""
     lora_load_dir: str | None = None
     """Adapters loaded at run time (``/v1/load_lora_adapter``) must lie inside it; None: that API is off."""
+    allowed_priority: tuple[int, int] = (0, 0)
+    """The ``priority`` values a client may send (``AppConfig.allowed_priority``)."""
 
 
 class _Inflight:
@@ -189,6 +191,10 @@ class Frontend:
         """``trace_context``: the W3C headers (traceparent, tracestate) the engine replica's spans
         descend from (the ingress span's)."""
         lora, lora_path = await self.check_model(inp.model)
+        low, high = self.config.allowed_priority
+        if not low <= inp.priority <= high:
+            raise BadRequest(f"priority {inp.priority} is not allowed here: this deployment takes [{low}, {high}] "
+                             "(allowed_priority)", param="priority")
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(inp, name) is not None]
         if len(given) != 1:
             raise BadRequest("give exactly one of prompt, messages or prompt_token_ids"

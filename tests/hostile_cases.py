@@ -172,6 +172,8 @@ KINDS = [
     K("seed-string", None, c(seed="abc"), param="seed"),
     K("priority-past-int32", None, c(priority=2**31), param="priority"),
     K("priority-string", None, c(priority="high"), param="priority"),
+    # the hostile service allows [-5, 5]; the in-process frontend of tests/test_validation_errors [0, 0]
+    K("priority-not-allowed", g(priority=-(2**31)), c(priority=2**31 - 1), param="priority", needle="allowed_priority"),
     K("cache-salt-empty", None, c(cache_salt=""), param="cache_salt"),
     K("cache-salt-too-long", g(cache_salt="s" * 257), c(cache_salt="s" * 257), param="cache_salt"),
     K("cache-salt-number", None, c(cache_salt=7), param="cache_salt"),

@@ -28,6 +28,7 @@ ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_waiting":
 MAX_PROMPT_TOKENS = 300
 MAX_PROMPT_CHARS = 4000
 MAX_BODY_BYTES = 64 * 1024
+ALLOWED_PRIORITY = (-5, 5)
 GRPC_MAX_MESSAGE_BYTES = 1024 * 1024  # Ray's default is 2 GiB; the proxy reads it from its environment
 KEYS = ("key-alpha-00000001", "key-bravo-00000002")
 
@@ -112,7 +113,7 @@ def hostile_service(model_dir: Path, workdir: Path) -> Iterator[Service]:
     app = {"model": str(model_dir), "served_model_name": "tiny", "engine": ENGINE, "num_replicas": 2,
            "replica_resources": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.25},
            "max_prompt_tokens": MAX_PROMPT_TOKENS, "max_prompt_chars": MAX_PROMPT_CHARS,
-           "default_max_tokens": 8, "max_body_bytes": MAX_BODY_BYTES,
+           "default_max_tokens": 8, "max_body_bytes": MAX_BODY_BYTES, "allowed_priority": ALLOWED_PRIORITY,
            "api_keys_file": str(keys_file), "drain_timeout_s": 1}
     # The gRPC proxy reads its message size limit from the environment it inherits.
     with served_app(app, env={"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(GRPC_MAX_MESSAGE_BYTES)},

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deployments.openai_protocol import ChatRequest, CompletionRequest
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
 from tests.hostile_cases import CHAT, COMPLETIONS, KINDS, USER, Kind
-from tests.hostile_service import GRPC_MAX_MESSAGE_BYTES, KEYS, MAX_BODY_BYTES, hostile_service
+from tests.hostile_service import ALLOWED_PRIORITY, GRPC_MAX_MESSAGE_BYTES, KEYS, MAX_BODY_BYTES, hostile_service
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -142,12 +142,12 @@ def test_duplicate_client_request_ids_are_both_served(service):
 
 
 def test_tolerated_oddities_are_served(service):
-    # Unknown protobuf fields are skipped (proto3 forward compatibility); int32 extremes of priority.
+    # Unknown protobuf fields are skipped (proto3 forward compatibility); the ends of allowed_priority.
     unknown_field = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(max_tokens=2)).SerializeToString()
     out = list(service.raw_call("Generate", streaming=True)(unknown_field + b"\xa0\x06\x01", timeout=30,
                                                             metadata=service.auth()))
     assert pb.GenerateResponse.FromString(out[-1]).finish_reason
-    for priority in (-(2**31), 2**31 - 1):
+    for priority in ALLOWED_PRIORITY:
         assert service.generate(prompt="hi", priority=priority, sampling=pb.SamplingOptions(max_tokens=2))[-1].usage
     # OpenAI fields without effect, and refused ones at their harmless values.
     body = {"model": "tiny", "prompt": ["hi"], "max_tokens": 2, "user": "u", "n": 1, "logit_bias": {}, "echo": False,

@@ -269,6 +269,8 @@ def test_app_config_rejects_bad_fields_by_name():
              ({"engine_link_tls": {"certfile": "/tls/tls.crt"}}, "engine_link_tls.keyfile"),
              ({"autoscaling": {"policy": "default"}}, "autoscaling.policy"),
              ({"api_keys": ["short"]}, "api_keys"), ({"engine": [1]}, "engine must be a valid dictionary"),
+             ({"allowed_priority": [3, 1]}, r"allowed_priority must be \[lowest, highest\]"),
+             ({"allowed_priority": [0, 2**31]}, "allowed_priority.1"),
              # The test double is not selectable from a config.
              ({"engine_class": "tests.fake_engine:FakeAsyncEngine"}, "unknown field engine_class")]
     for args, needle in cases:
@@ -278,6 +280,7 @@ def test_app_config_rejects_bad_fields_by_name():
                                                                                      "max_waiting": 10}})
     assert cfg.model_name == "Llama-3.1-8B-Instruct" and cfg.engine_max_ongoing_requests() == 30
     assert AppConfig.from_args(None).model_name == "smollm2-135m"
+    assert AppConfig.from_args(None).allowed_priority == (0, 0)  # clients may not jump the queue unless allowed
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

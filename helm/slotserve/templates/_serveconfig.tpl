@@ -27,7 +27,8 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
       "drain_timeout_s" $v.drainTimeoutSeconds
       "health_check_period_s" $v.healthCheck.periodSeconds
       "health_check_timeout_s" $v.healthCheck.timeoutSeconds
-      "default_max_tokens" $v.limits.defaultMaxTokens }}
+      "default_max_tokens" $v.limits.defaultMaxTokens
+      "allowed_priority" $v.limits.allowedPriority }}
 {{- with $v.model.servedName }}
 {{- $_ := set $args "served_model_name" . }}
 {{- end }}
