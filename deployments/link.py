@@ -28,7 +28,6 @@ both are plain asyncio, tested over loopback without Ray.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import socket
@@ -38,8 +37,9 @@ from typing import AsyncIterator, Protocol
 import msgspec
 
 from deployments.engine_client import ends_request
-from deployments.link_wire import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, SubmitIn,
-                                   check_token, frame, keepalive, mac, new_token, outputs, read_ingress_frame, wire_id)
+from deployments.link_wire import (LINK_TOKEN_ENV, LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, SubmitIn,
+                                   check_token, frame, keepalive, link_keys, mac, new_token, outputs, proven_key,
+                                   read_ingress_frame, wire_id)
 
 __all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTls", "check_token", "new_token"]
 
@@ -116,10 +116,9 @@ class LinkServer:
     frames in; batches of ``Output`` out (``deployments.link_wire``)."""
 
     def __init__(self, replica: Replica, token: str, host: str = "127.0.0.1", tls: LinkTls | None = None) -> None:
-        check_token(token)
+        self._keys = link_keys(token)
         self._ssl = tls.context(server=True) if tls is not None else None
         self._replica = replica
-        self._token = bytes.fromhex(token)
         # Bound now, so the address is known from the start (the routing stats carry it).
         self._sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         port = self._sock.getsockname()[1]
@@ -139,15 +138,20 @@ class LinkServer:
         async with asyncio.timeout(HELLO_TIMEOUT_S):
             ingress_nonce = await reader.readexactly(NONCE_BYTES)
         nonce = secrets.token_bytes(NONCE_BYTES)
-        writer.write(nonce + mac(self._token, b"replica", ingress_nonce, nonce))
+        writer.write(nonce + mac(self._keys[0], b"replica", ingress_nonce, nonce))
         async with asyncio.timeout(HELLO_TIMEOUT_S):
             proof = await reader.readexactly(MAC_BYTES)
-        if not hmac.compare_digest(proof, mac(self._token, b"ingress", ingress_nonce, nonce)):
+        if proven_key(self._keys, proof, b"ingress", ingress_nonce, nonce) is None:
             logger.warning("engine link from %s refused: wrong token", writer.get_extra_info("peername"))
             return None
         async with asyncio.timeout(HELLO_TIMEOUT_S):
             hello = await read_ingress_frame(reader)
-        return hello.ingress_id if isinstance(hello, Hello) else None
+        if not isinstance(hello, Hello):
+            return None
+        if hello.version != LINK_VERSION:  # a rolling update: both serve, each ignoring what it does not know
+            logger.info("engine link from ingress %s, link version %d (this replica: %d)", hello.ingress_id,
+                        hello.version, LINK_VERSION)
+        return hello.ingress_id
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         me = asyncio.current_task()

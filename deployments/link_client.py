@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hmac
 import itertools
 import secrets
 import time
@@ -24,8 +23,8 @@ import msgspec
 from deployments.engine_client import ends_request
 from deployments.errors import Unavailable
 from deployments.link import aborted_message
-from deployments.link_wire import (MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, Submit, check_token, frame,
-                                   keepalive, mac, read_outputs, wire_id)
+from deployments.link_wire import (LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, Submit, frame,
+                                   keepalive, link_keys, mac, proven_key, read_outputs, wire_id)
 
 CONNECT_TIMEOUT_S = 5.0
 ABORT_REPLY_S = 10.0
@@ -146,10 +145,9 @@ class LinkEngineClient:
 
     def __init__(self, serve: Any, token: str, choose: Chooser | None = None, tls: LinkTls | None = None,
                  on_done: Callable[[str], None] | None = None) -> None:
-        check_token(token)
+        self._keys = link_keys(token)
         self._ssl = tls.context(server=False) if tls is not None else None
         self._serve = serve
-        self._token = bytes.fromhex(token)
         self._choose = choose or (lambda request, avoid: None)
         self._on_done = on_done
         self.ingress_id = uuid.uuid4().hex
@@ -231,10 +229,11 @@ class LinkEngineClient:
         writer.write(nonce)
         answer = await reader.readexactly(NONCE_BYTES + MAC_BYTES)
         replica_nonce, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
-        if not hmac.compare_digest(proof, mac(self._token, b"replica", nonce, replica_nonce)):
+        key = proven_key(self._keys, proof, b"replica", nonce, replica_nonce)
+        if key is None:
             raise Unavailable(f"{writer.get_extra_info('peername')} does not hold this application's "
                               "engine link token")
-        writer.write(mac(self._token, b"ingress", nonce, replica_nonce) + frame(Hello(self.ingress_id)))
+        writer.write(mac(key, b"ingress", nonce, replica_nonce) + frame(Hello(self.ingress_id, LINK_VERSION)))
 
     async def _read(self, link: _Link) -> None:
         try:

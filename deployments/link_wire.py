@@ -31,7 +31,11 @@ from engine.sampling import SamplingParams
 
 TOKEN_BYTES = 16
 LINK_TOKEN_ENV = "SLOTSERVE_LINK_TOKEN"
-"""Where ``build_app`` takes the token from (hex, 32 digits) before making one up."""
+"""Where ``build_app`` takes the token from (hex, 32 digits) before making one up; two, comma-separated,
+while one is rotated (``link_keys``)."""
+LINK_VERSION = 1
+"""What an ingress's ``Hello`` says it speaks. Peers of other versions still link: fields either side
+does not know are ignored, and a request the replica cannot take fails alone (``SubmitIn``)."""
 MAX_FRAME_BYTES = 64 << 20  # a 2M-token prompt is ~10 MB of MessagePack; far below this
 FRAME_ITEMS = 1024
 """Outputs per frame at most: a backlog goes out in several frames, each far below the limit."""
@@ -82,6 +86,8 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class Hello(msgspec.Struct, tag="hello"):
     ingress_id: str
+    version: int = 0
+    """``LINK_VERSION`` of the ingress; 0: one from before versions were sent."""
 
 
 class Submit(msgspec.Struct, tag="submit"):
@@ -230,12 +236,31 @@ def new_token() -> str:
 
 
 def check_token(token: str) -> None:
+    link_keys(token)
+
+
+def link_keys(token: str) -> tuple[bytes, ...]:
+    """The keys ``token`` names: one, or ``"new,old"`` while a token is rotated. A side proves itself
+    with the first and accepts a proof under either, so a rotation is three deploys that each keep
+    serving: ``old,new``, then ``new,old``, then ``new``."""
     try:
-        if len(bytes.fromhex(token)) == TOKEN_BYTES:
-            return
-    except (TypeError, ValueError):
+        keys = tuple(bytes.fromhex(part) for part in token.split(","))
+        if 1 <= len(keys) <= 2 and all(len(key) == TOKEN_BYTES for key in keys):
+            return keys
+    except (AttributeError, TypeError, ValueError):
         pass
-    raise ValueError(f"the engine link token ({LINK_TOKEN_ENV}) must be {2 * TOKEN_BYTES} hex digits")
+    raise ValueError(f"the engine link token ({LINK_TOKEN_ENV}) must be {2 * TOKEN_BYTES} hex digits, or two "
+                     "such tokens separated by a comma while one is rotated")
+
+
+def proven_key(keys: tuple[bytes, ...], proof: bytes, side: bytes, ingress_nonce: bytes,
+               replica_nonce: bytes) -> bytes | None:
+    """The key of ``keys`` that ``proof`` was made with, or None."""
+    found = None
+    for key in keys:  # every key is tried, so the time taken tells nothing of which one matched
+        if hmac.compare_digest(proof, mac(key, side, ingress_nonce, replica_nonce)):
+            found = key
+    return found
 
 
 def mac(key: bytes, side: bytes, ingress_nonce: bytes, replica_nonce: bytes) -> bytes:

@@ -270,3 +270,47 @@ def test_a_forwarder_cancelled_as_its_drain_finishes_ends():
         assert done and writer.forwarder.cancelled(), "the forwarder went on after its cancellation"
         server._sock.close()
     run(main())
+
+
+def _two(a: str, b: str) -> str:
+    return f"{a},{b}"
+
+
+T_OLD, T_NEW = new_token(), new_token()
+ROTATION = [  # (ingress's token, replica's token): the three deploys of a rotation, and their mixes
+    (T_OLD, _two(T_OLD, T_NEW)), (_two(T_OLD, T_NEW), T_OLD),  # step 1: old proves, new is accepted
+    (_two(T_OLD, T_NEW), _two(T_NEW, T_OLD)), (_two(T_NEW, T_OLD), _two(T_OLD, T_NEW)),  # step 1 meets step 2
+    (_two(T_NEW, T_OLD), T_NEW), (T_NEW, _two(T_NEW, T_OLD)),  # step 2 meets step 3
+]
+
+
+@pytest.mark.parametrize("ingress_token, replica_token", ROTATION)
+def test_a_token_rotation_keeps_every_pair_of_its_steps_linked(ingress_token, replica_token):
+    async def main():
+        (rep,) = _replicas(replica_token)
+        await asyncio.sleep(0)
+        chooser = lambda request, avoid: (rep.replica_id, rep.record_routing_stats()["link"])  # noqa: E731
+        client = LinkEngineClient(LocalEngineClient([rep]), ingress_token, chooser)
+        tokens, messages = await _tokens(client.generate(_request(0)))
+        assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
+        assert rep._link.requests == 1  # it came over the link, not Serve's way
+        await _shutdown([rep])
+    run(main())
+
+
+def test_peers_without_a_common_token_do_not_link():
+    async def main():
+        (rep,) = _replicas(_two(T_NEW, new_token()))
+        await asyncio.sleep(0)
+        chooser = lambda request, avoid: (rep.replica_id, rep.record_routing_stats()["link"])  # noqa: E731
+        client = LinkEngineClient(None, T_OLD, chooser)
+        with pytest.raises(Unavailable, match="does not hold this application's engine link token"):
+            await _tokens(client.generate(_request(0)))
+        await _shutdown([rep])
+    run(main())
+
+
+@pytest.mark.parametrize("token", [_two(T_OLD, ""), ",".join([T_OLD] * 3), T_OLD + ",zz"])
+def test_a_bad_pair_of_tokens_is_refused_naming_the_setting(token):
+    with pytest.raises(ValueError, match="SLOTSERVE_LINK_TOKEN.*separated by a comma"):
+        check_token(token)

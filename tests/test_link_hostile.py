@@ -20,7 +20,8 @@ import pytest
 import deployments.link as link
 from deployments.link import new_token
 from deployments.link_client import LinkEngineClient
-from deployments.link_wire import Hello, Submit, decode_ingress_frame, frame, read_outputs
+from deployments.link_wire import (MAC_BYTES, NONCE_BYTES, Hello, Submit, decode_ingress_frame, frame, mac,
+                                   read_outputs)
 from engine.errors import InvalidRequestError
 from tests.serving_helpers import run
 from tests.test_link import _replicas, _request, _shutdown, _tokens
@@ -213,5 +214,27 @@ def test_a_submit_the_replica_cannot_take_fails_alone_and_its_link_serves_on(cas
         writer.close()
         stats = rep.engine.stats()
         assert stats.num_finished == 3 and stats.running == 0 and stats.waiting == 0
+        await _shutdown([rep])
+    run(main())
+
+
+@pytest.mark.parametrize("hello", [{"type": "hello", "ingress_id": "older"},  # before versions were sent
+                                   {"type": "hello", "ingress_id": "newer", "version": 99, "a_newer_field": [1]}])
+def test_an_ingress_of_another_link_version_is_served(hello):
+    """A rolling update pairs old and new ingresses with new and old replicas: both link and serve."""
+    async def main():
+        token = new_token()
+        (rep,) = _replicas(token)
+        await asyncio.sleep(0)
+        reader, writer = await _connect(rep)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        writer.write(nonce)
+        answer = await reader.readexactly(NONCE_BYTES + MAC_BYTES)
+        key = bytes.fromhex(token)
+        writer.write(mac(key, b"ingress", nonce, answer[:NONCE_BYTES]) + frame(hello))
+        writer.write(frame(Submit({**_request(0), "ingress_id": hello["ingress_id"]})))
+        items = (await _finals(reader, {"r0"}))["r0"]
+        assert sum(len(item[1]["token_ids"]) for item in items) == 12
+        writer.close()
         await _shutdown([rep])
     run(main())
