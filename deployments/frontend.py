@@ -21,7 +21,7 @@ from deployments.adapters import Adapters
 from deployments.admission import Admission, ApiKeys
 from deployments.engine_client import EngineClient, EngineStream
 from deployments.errors import (BadRequest, DeadlineExceeded, Overloaded, Unauthenticated,
-                                ServingError, Unavailable, to_serving_error, unwrap)
+                                ServingError, Unavailable, to_serving_error)
 from deployments.metrics import IngressMetrics, recorder_for
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
                                   check_logit_bias, check_messages_length, check_text, check_vocab, effective_timeout,
@@ -29,15 +29,15 @@ from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, b
 from deployments.engine_client import ends_request
 from deployments.textstream import TextAssembler, TextDelta, last_delta
 from deployments.tracing import Tracing
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-MAX_RESUMES = 3
-"""Engine replicas a request may lose mid-stream (process or node gone) and still finish."""
-MAX_CRASH_RESUMES = 1
-"""Engine loops that may die under a request before it is given up: a request that crashed
-two replicas is likely the cause, and must not take the whole deployment down in turn."""
+MAX_RESUMES = 1
+"""Engine replicas a request may lose mid-stream (engine loop dead, process or node gone) and still
+finish. A request that was running on two replicas that died is likely what killed them: given up
+then, a poison request costs at most one more replica. A kernel fault ends a process as a lost
+node does, so the ingress cannot tell the two apart and counts both."""
 MAX_OVERLOAD_RETRIES = 3
 """A full replica's refusal is retried this often (on the replica the router picks next)
 before the client sees RESOURCE_EXHAUSTED / 429."""
@@ -246,7 +246,7 @@ class Frontend:
                                  req.client_request_id, i) for i in range(req.params.n)]
         inflight = self._inflight[req.request_id] = _Inflight(self._engine.generate(req.engine_request()))
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
-        retries = {"lost": 0, "crashed": 0, "overloaded": 0}
+        retries = {"lost": 0, "overloaded": 0}
         engine_done = False
         try:
             while not all(c.finished for c in choices):
@@ -290,9 +290,9 @@ class Frontend:
         """Send the request again (resumed from the tokens the client has) or raise the error."""
         err = to_serving_error(exc)
         kind = _retry_kind(exc, err)
-        limit = {"overloaded": MAX_OVERLOAD_RETRIES, "lost": MAX_RESUMES, "crashed": MAX_CRASH_RESUMES}.get(kind, 0)
+        limit = {"overloaded": MAX_OVERLOAD_RETRIES, "lost": MAX_RESUMES}.get(kind, 0)
         if kind is None or retries[kind] >= limit:
-            if kind in ("lost", "crashed"):
+            if kind == "lost":
                 raise Unavailable(f"request {req.request_id} lost its engine replica {retries[kind] + 1} times "
                                   f"({err.message}); not resumed again") from exc
             raise err from exc
@@ -373,13 +373,11 @@ def _abort_all(choices: list[TextAssembler], num_prompt_tokens: int) -> list[Tex
 
 
 def _retry_kind(exc: BaseException, err: ServingError) -> str | None:
-    """overloaded: a full replica refused it. crashed: the engine loop serving it died, which
-    this very request may have caused. lost: the replica went away (process, node)."""
+    """overloaded: a full replica refused it. lost: the replica serving it died (its engine loop, its
+    process or its node), which this very request may have caused."""
     if isinstance(err, Overloaded):
         return "overloaded"
-    if isinstance(unwrap(exc), EngineDeadError):
-        return "crashed"
-    return "lost" if isinstance(err, Unavailable) else None
+    return "lost" if isinstance(err, Unavailable) else None  # an EngineDeadError is Unavailable too
 
 
 async def _next(stream: EngineStream, deadline: float | None) -> dict:

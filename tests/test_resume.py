@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.errors import Overloaded, Unavailable
-from deployments.frontend import MAX_CRASH_RESUMES
+from deployments.frontend import MAX_RESUMES
 from deployments.requests import GenerateInput
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
@@ -109,7 +109,25 @@ def test_a_request_that_crashes_replicas_is_given_up_after_two(tokenizer):
                 for rep in reps:  # whichever replica runs it dies
                     if rep.healthy() and rep.engine.stats().running:
                         rep.engine.kill()
-        assert sum(not r.healthy() for r in reps) == MAX_CRASH_RESUMES + 1
+        assert sum(not r.healthy() for r in reps) == MAX_RESUMES + 1
+    run(main())
+
+
+def test_a_request_whose_replicas_are_lost_twice_is_given_up(tokenizer):
+    """A replica whose link drops (its process killed, its node gone) counts as one whose engine loop
+    died: the ingress cannot tell a poison request's kernel fault from a lost node."""
+    async def main():
+        fe, reps = _frontend(tokenizer, replicas=4, step_delay_s=0.01)
+        req = await fe.prepare(GenerateInput(prompt_token_ids=(3, 4, 5), sampling={"max_tokens": 400}))
+        lost = set()
+        with pytest.raises(Unavailable, match="2 times"):
+            async for _ in fe.stream(req):
+                for rep in reps:  # whichever replica runs it vanishes
+                    if rep.replica_id not in lost and rep.engine.stats().running:
+                        lost.add(rep.replica_id)
+                        await rep._link.close()
+        assert 1 <= len(lost) <= 2  # at most one more replica than the first
+        assert sum(not r.healthy() for r in reps) == 0  # links gone, engines fine: nothing crashed
     run(main())
 
 
