@@ -84,7 +84,8 @@ class ModelRunner:
             weights = self._attach_gguf(model_path)
         elif config.model.quantization == "int8":
             from engine.model.int8 import attach_int8
-            weights = f"int8 blocks of 32 made from {weights} ({attach_int8(self.model) / (1 << 20):.0f} MiB)"
+            attach_int8(self.model)
+            weights = f"int8 blocks of 32 made from {weights}"
         quantized = (b for name, b in self.model.named_buffers() if name.rsplit(".", 1)[-1] in ("qweight", "qscale", "qmin"))
         self.param_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *quantized))
         logger.info("weights loaded in %.1f s: %s, %.0f MiB in %s", time.perf_counter() - t0, model_path.name,
