@@ -30,7 +30,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "kv_write.cpp", "attention_step.cpp", "amx_linear.cpp",
                                            "gguf_linear.cpp", "gguf_linear_int8.cpp"))
 HEADERS = tuple(CSRC / name for name in ("checks.h", "kv_layout.h", "score_int8.h", "values_int8.h", "vec.h",
-                                           "gguf_blocks.h"))
+                                           "gguf_blocks.h", "gguf_int8_avx2.h"))
 # -ffast-math at compile time only: it lets the compiler vectorize reductions and expf; linked
 # without it, the library does not switch the process to flush-to-zero.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")

@@ -1,4 +1,5 @@
-// Linear layers over GGUF weights with int8 dot products (AVX-512 VNNI), for steps of a few rows.
+// Linear layers over GGUF weights with int8 dot products (AVX-512 VNNI; AVX2 in gguf_int8_avx2.h), for
+// steps of a few rows.
 //
 // The float32 kernel (gguf_linear.cpp) widens every weight and does 16 multiply-adds an instruction.
 // Here the activations are quantized per 32-block to int8 once a call (a float scale each, as
@@ -24,9 +25,17 @@
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "gguf_blocks.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SLOTSERVE_INT8_VNNI 1
+#endif
+#if defined(SLOTSERVE_INT8_VNNI) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define SLOTSERVE_INT8 1
+#endif
 
 namespace {
 
@@ -68,10 +77,8 @@ inline void unpack_row(const uint8_t* qw, const c10::Half* sw, const c10::Half* 
   for (int64_t b = 0; b < k / kBlock; ++b) unpack_block(group, scales, mins, qtype, b, c, out + b * kBlock);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef SLOTSERVE_INT8
 constexpr bool kReady = true;
-
-constexpr int kTile = 8;  // activation rows sharing each block's unpacked operands
 
 // One call's activations, quantized per 32-block: quants [M, K] int8, and per block its scale d,
 // d x its quants' sum (for the offsets), and 128 x that sum as an integer (for Q8_0's flip).
@@ -83,7 +90,10 @@ struct Activations {
   int64_t k, nb;
 };
 
-Activations quantize(const at::Tensor& x) {
+// x [M, K] quantized block by block: ``quantize_block(xb, qb, d)`` rounds the 32 floats at xb to qb
+// with scale d and returns their quants' sum.
+template <class QuantizeBlock>
+Activations quantize_with(const at::Tensor& x, QuantizeBlock quantize_block) {
   const int64_t m = x.size(0), k = x.size(1), nb = k / kBlock, ldx = x.stride(0);
   Activations a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, x.options()),
                 at::empty({m, nb}, x.options()), at::empty({m, nb}, x.options().dtype(at::kInt)),
@@ -95,16 +105,8 @@ Activations quantize(const at::Tensor& x) {
   a.q = q, a.d = dp, a.s = sp, a.c = cp;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = xp + r * ldx + b * kBlock;
-      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      const float d = amax / 127.0f;
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-      int8_t* qb = q + r * k + b * kBlock;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      float d;
+      const int32_t sum = quantize_block(xp + r * ldx + b * kBlock, q + r * k + b * kBlock, d);
       dp[r * nb + b] = d;
       sp[r * nb + b] = d * static_cast<float>(sum);
       cp[r * nb + b] = 128 * sum;
@@ -112,6 +114,22 @@ Activations quantize(const at::Tensor& x) {
   }
   return a;
 }
+
+#ifdef SLOTSERVE_INT8_VNNI
+constexpr int kTile = 8;  // activation rows sharing each block's unpacked operands
+
+inline int32_t quantize_block(const float* xb, int8_t* qb, float& d) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  d = amax / 127.0f;
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+
+Activations quantize(const at::Tensor& x) { return quantize_with(x, quantize_block); }
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -159,6 +177,9 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo + g * kCols, acc[r]);
   }
 }
+#else
+#include "gguf_int8_avx2.h"
+#endif
 
 // Activation rows [r0, m): tiles of kTile, then one tile of the remainder.
 template <int64_t QT, int R = kTile>
@@ -204,7 +225,7 @@ const c10::Half* mins_of(const at::Tensor& mins, int64_t qtype) {
 // out [M, N] float32 = quantize_int8(x [M, K] float32) . packed weight [N, K]
 void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales,
                  const at::Tensor& mins, int64_t qtype) {
-  TORCH_CHECK(kReady, "gguf int8 kernels need AVX-512 VNNI (the library was built without it)");
+  TORCH_CHECK(kReady, "gguf int8 kernels need AVX-512 VNNI or AVX2 (the library was built without either)");
   check_packed(quants, scales, mins, qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
                   x.size(1) == scales.size(1) / kCols * kBlock,
@@ -212,7 +233,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& quants,
   const int64_t m = x.size(0), n = scales.size(0) * kCols;
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == m && out.size(1) == n &&
                   out.stride(1) == 1, "out must be float32 [M, N], rows contiguous");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef SLOTSERVE_INT8
   const Activations a = quantize(x);
   const uint8_t* qw = static_cast<const uint8_t*>(quants.data_ptr());
   const c10::Half *sw = scales.data_ptr<c10::Half>(), *mw = mins_of(mins, qtype);

@@ -3,8 +3,7 @@
 A user with a safetensors model gets the lever a GGUF file gives (engine.model.quant): each linear
 layer, the LM head and the embedding are rounded to llama.cpp's Q8_0 blocks (an int8 per weight and
 a float16 scale per 32 weights, 8.5 bits a weight against the 16 or 32 of the checkpoint) and served
-by the same kernels: packed for int8 dot products where the CPU has AVX-512 VNNI, widened to float32
-in registers beside the FMAs elsewhere.
+by the same kernels: packed for int8 dot products (AVX-512 VNNI or AVX2).
 
 A scale per 32 weights rather than per output channel: a channel's largest weight then sets the step
 of 32 weights, not of the whole row, so outliers cost less precision (the rounding error of one

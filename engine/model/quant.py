@@ -6,10 +6,11 @@ the 32 of the float32 model the converted checkpoint holds. With ``quantization:
 checkpoint still supplies the configuration, norms and embedding rows; each linear layer (and
 the LM head) instead holds the file's blocks and multiplies them in place:
 
-- where the CPU has AVX-512 VNNI, packed once at load (``pack_int8``) in groups of 16 output columns
-  for int8 dot products with activations quantized per 32-block, as llama.cpp does
-  (engine/csrc/gguf_linear_int8.cpp), at every step size;
-- elsewhere, the file's blocks as they are, widened to float32 in registers beside the FMAs
+- Q4_0, Q4_1, Q8_0 (and Q4_K, Q5_0 re-packed as those), where the CPU has AVX-512 VNNI or AVX2:
+  packed once at load (``pack_int8``) in groups of 16 output columns for int8 dot products with
+  activations quantized per 32-block, as llama.cpp does (engine/csrc/gguf_linear_int8.cpp; both
+  instruction sets give the same outputs), at every step size;
+- otherwise, the file's blocks as they are, widened to float32 in registers beside the FMAs
   (engine/csrc/gguf_linear.cpp): exactly the file's values, summed in another order.
 
 The built-in model's converted checkpoint holds the file's values rounded to bfloat16; the blocks
@@ -62,8 +63,8 @@ Q4_1 layer, 15.5 ms against 26.8 ms, and 23.9 ms for the float32 layer's own GEM
 VNNI host)."""
 
 INT8_ACTIVATIONS = True
-"""Where the CPU has AVX-512 VNNI: weights packed at load (``pack_int8``) and steps of up to
-``QUANT_MAX_ROWS`` rows multiplied with activations quantized per block to int8
+"""Where the CPU has AVX-512 VNNI or AVX2: weights packed at load (``pack_int8``) and every step
+multiplied with activations quantized per block to int8
 (engine/csrc/gguf_linear_int8.cpp); False keeps the file's blocks and widens them to float32."""
 
 
