@@ -46,6 +46,7 @@ def test_bad_value_fails_the_schema_naming_it(chart, values, named):
      "loraStore.existingClaim: name the claim holding the adapters"),
     ({"loraStore": {"enabled": True, "existingClaim": "adapters"}}, "loraStore.enabled: the engine serves no LoRA"),
     ({"tls": {"existingSecret": "certs"}}, "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP"),
+    ({"insecure": False}, "apiKeys.existingSecret is empty: anyone who reaches the service would run inference"),
 ])
 def test_inconsistent_values_fail_rendering(chart, values, message):
     with pytest.raises(HelmRenderError, match=re.escape(message)):
@@ -147,3 +148,32 @@ def test_dockerfile_pins_its_base_runs_as_non_root_and_installs_like_the_readme(
     )]
     assert order == sorted(order)
     assert "TORCH_CUDA_INDEX_URL" in args and "VARIANT" in args
+
+
+# ----------------------------------------------------------------------------- secure by default
+def test_default_values_render_a_network_policy_that_also_bounds_egress(chart):
+    from tests.helm_chart import documents
+    policy = the(documents(render(chart, {})), "NetworkPolicy")["spec"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    egress = policy["egress"]
+    assert egress[0]["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "slotserve"
+    assert {(p["port"], p["protocol"]) for p in egress[1]["ports"]} == {(53, "UDP"), (53, "TCP")}
+    assert [p["port"] for p in egress[2]["ports"]] == [443, 6443]
+    assert len(egress) == 3  # nothing else leaves a pod unless the values say so
+    hub = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 443, "protocol": "TCP"}]}
+    extra = the(documents(render(chart, {"networkPolicy": {"egress": [hub]}})), "NetworkPolicy")["spec"]["egress"]
+    assert extra[-1] == hub and len(extra) == 4
+    assert not [d for d in documents(render(chart, {"networkPolicy": {"enabled": False}})) if d["kind"] == "NetworkPolicy"]
+
+
+def _app_args(manifests: dict[str, str]) -> dict:
+    from tests.helm_chart import documents, serve_config
+    return serve_config(the(documents(manifests), "RayService"))["applications"][0]["args"]
+
+
+def test_the_chart_refuses_to_serve_without_api_keys_unless_told_to(chart):
+    with pytest.raises(HelmRenderError, match="apiKeys.existingSecret is empty"):
+        render(chart, {"insecure": False})
+    keyed = _app_args(render(chart, {"insecure": False, "apiKeys": {"existingSecret": "keys"}}))
+    assert keyed["api_keys_file"] == "/etc/slotserve/api-keys/keys"
+    assert "api_keys_file" not in _app_args(render(chart, {"insecure": True}))

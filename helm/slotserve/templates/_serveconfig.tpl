@@ -46,6 +46,8 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
 {{- end }}
 {{- if $v.apiKeys.existingSecret }}
 {{- $_ := set $args "api_keys_file" (printf "%s/keys" $v.apiKeys.mountPath) }}
+{{- else if not $v.insecure }}
+{{- fail "apiKeys.existingSecret is empty: anyone who reaches the service would run inference; name a Secret of API keys, or set insecure: true to serve without authentication" }}
 {{- end }}
 {{- with $v.engineLinkTls.existingSecret }}
 {{- $dir := $v.engineLinkTls.mountPath }}
