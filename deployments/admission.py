@@ -96,3 +96,16 @@ class ApiKeys:
             raise ValueError(f"{short} key(s) shorter than {self.MIN_KEY_CHARS} characters")
         self._from_file, self._stamp = keys, stamp
         logger.info("api_keys_file %s: %d keys", self._path, len(keys))
+
+
+def summarize_load(replicas: list[dict]) -> dict:
+    # The prefix digest is for routers; a load report shows how big it is, not its hashes.
+    replicas = [{**{k: v for k, v in r.items() if k != "prefix_hashes"},
+                 "num_prefix_hashes": len(r.get("prefix_hashes") or ())} for r in replicas]
+    total = sum(r.get("max_num_seqs", 0) for r in replicas)
+    running = sum(r.get("running", 0) for r in replicas)
+    kv_total = sum(r.get("kv_blocks_total", 0) for r in replicas)
+    kv_used = sum(r.get("kv_blocks_used", 0) for r in replicas)
+    return {"replicas": replicas, "total_slots": total, "free_slots": sum(r.get("free_slots", 0) for r in replicas),
+            "running": running, "waiting": sum(r.get("waiting", 0) for r in replicas),
+            "occupancy": running / total if total else 0.0, "kv_usage": kv_used / kv_total if kv_total else 0.0}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import json
 import hmac
 import logging
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from deployments.adapters import Adapters
-from deployments.admission import Admission, ApiKeys
+from deployments.admission import Admission, ApiKeys, summarize_load
 from deployments.engine_client import EngineClient, EngineStream
 from deployments.errors import (BadRequest, DeadlineExceeded, Overloaded, Unauthenticated,
                                 ServingError, Unavailable, to_serving_error)
@@ -44,6 +45,8 @@ before the client sees RESOURCE_EXHAUSTED / 429."""
 RETRY_BACKOFF_S = 0.1
 OFFLOAD_CHARS = 8192
 """Prompts (or chat messages) this long are tokenized off the event loop."""
+OFFLOAD_DECODES = 4096
+"""Prompt logprobs needing this many token decodes are turned into text off the event loop."""
 
 
 @dataclass(frozen=True)
@@ -215,8 +218,11 @@ class Frontend:
         if len(ids) > limit:
             raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is {limit} (max_prompt_tokens)",
                              param="prompt")
-        params = build_sampling_params(inp.sampling, num_prompt_tokens=len(ids), max_model_len=info["max_model_len"],
-                                       default_max_tokens=inp.default_max_tokens or self.config.default_max_tokens)
+        build = functools.partial(build_sampling_params, inp.sampling, num_prompt_tokens=len(ids),
+                                  max_model_len=info["max_model_len"],
+                                  default_max_tokens=inp.default_max_tokens or self.config.default_max_tokens)
+        # A grammar compiles the first time it is seen (cached after): off the loop, like a long prompt.
+        params = await asyncio.to_thread(build) if "structured_outputs" in inp.sampling else build()
         check_logit_bias(params, info["vocab_size"])
         return PreparedRequest(request_id=new_request_id(), prompt_token_ids=tuple(ids), params=params,
                                priority=inp.priority,
@@ -273,7 +279,9 @@ class Frontend:
                 choice = choices[message.get("index", 0)]
                 if choice.finished:  # ended by a stop string; the engine runs it until the others end
                     continue
-                delta = choice.push(message)
+                # A 32k-token prompt's logprobs with 20 alternatives each are ~700k decodes: off the loop.
+                heavy = len(message.get("prompt_logprobs") or ()) * (1 + (req.params.prompt_logprobs or 0))
+                delta = await asyncio.to_thread(choice.push, message) if heavy >= OFFLOAD_DECODES else choice.push(message)
                 if all(c.finished for c in choices):
                     yield last_delta(delta, choices, prompt_len)
                     continue
@@ -388,16 +396,3 @@ async def _next(stream: EngineStream, deadline: float | None) -> dict:
         raise asyncio.TimeoutError
     async with asyncio.timeout(remaining):  # not wait_for: on 3.11 it can swallow a cancellation
         return await stream.__anext__()
-
-
-def summarize_load(replicas: list[dict]) -> dict:
-    # The prefix digest is for routers; a load report shows how big it is, not its hashes.
-    replicas = [{**{k: v for k, v in r.items() if k != "prefix_hashes"},
-                 "num_prefix_hashes": len(r.get("prefix_hashes") or ())} for r in replicas]
-    total = sum(r.get("max_num_seqs", 0) for r in replicas)
-    running = sum(r.get("running", 0) for r in replicas)
-    kv_total = sum(r.get("kv_blocks_total", 0) for r in replicas)
-    kv_used = sum(r.get("kv_blocks_used", 0) for r in replicas)
-    return {"replicas": replicas, "total_slots": total, "free_slots": sum(r.get("free_slots", 0) for r in replicas),
-            "running": running, "waiting": sum(r.get("waiting", 0) for r in replicas),
-            "occupancy": running / total if total else 0.0, "kv_usage": kv_used / kv_total if kv_total else 0.0}

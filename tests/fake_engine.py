@@ -233,11 +233,14 @@ class FakeAsyncEngine:
         new = req.output[req.emitted:]
         if not new and req.finish_reason is None:
             return None
+        first = req.emitted == 0
         req.emitted = len(req.output)
-        logprobs = None
+        logprobs = prompt_logprobs = None
         if req.params.logprobs is not None:
             logprobs = [{t: -0.5, (t + 1) % self.vocab_size: -1.5} for t in new]
+        if first and req.params.prompt_logprobs is not None:  # scored in the prefill: the first output has them
+            prompt_logprobs = [None] + [{t: -0.25} for t in req.prompt[1:]]
         return StreamOutput(request_id=req.rid, new_token_ids=new, finished=req.finish_reason is not None,
                             finish_reason=req.finish_reason, stop_token_id=req.stop_token_id, new_logprobs=logprobs,
                             num_prompt_tokens=len(req.prompt), num_output_tokens=len(req.output),
-                            timing=req.timing, index=req.index)
+                            timing=req.timing, index=req.index, prompt_logprobs=prompt_logprobs)
