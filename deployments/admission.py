@@ -98,9 +98,15 @@ class ApiKeys:
         logger.info("api_keys_file %s: %d keys", self._path, len(keys))
 
 
+PUBLIC_LOAD_FIELDS = ("replica_id", "healthy", "running", "waiting", "max_num_seqs", "free_slots", "kv_blocks_used",
+                      "kv_blocks_total", "slot_occupancy", "kv_usage", "num_finished", "prefix_cache_hits",
+                      "prefix_cache_queries", "updated_at", "lora_loaded", "lora_loads", "lora_evictions")
+"""What a load report (``/load``, gRPC ``GetLoad``: its ``ReplicaLoad`` fields) tells any caller of a
+replica. The rest is for routers only: engine-link addresses, adapters' paths on disk, prefix hashes."""
+
+
 def summarize_load(replicas: list[dict]) -> dict:
-    # The prefix digest is for routers; a load report shows how big it is, not its hashes.
-    replicas = [{**{k: v for k, v in r.items() if k != "prefix_hashes"},
+    replicas = [{**{k: r[k] for k in PUBLIC_LOAD_FIELDS if k in r},
                  "num_prefix_hashes": len(r.get("prefix_hashes") or ())} for r in replicas]
     total = sum(r.get("max_num_seqs", 0) for r in replicas)
     running = sum(r.get("running", 0) for r in replicas)

@@ -348,3 +348,19 @@ def test_generated_code_is_up_to_date(tmp_path):
     committed = {p.relative_to(src / "proto_gen"): p.read_text() for p in (src / "proto_gen").rglob("*.py*")}
     generated = {p.relative_to(fresh): p.read_text() for p in fresh.rglob("*.py*")}
     assert generated == committed
+
+
+def test_a_load_report_tells_no_caller_what_only_routers_need():
+    """/load (JSON) and GetLoad (protobuf) carry the same public fields: no engine-link address (a
+    socket a peer holding the link token could reach), no adapter path on disk, no prefix hash."""
+    from deployments.admission import PUBLIC_LOAD_FIELDS, summarize_load
+    from deployments.grpc_service import load_to_proto
+
+    assert set(PUBLIC_LOAD_FIELDS) == {f.name for f in pb.ReplicaLoad.DESCRIPTOR.fields}
+    replica = {"replica_id": "r1", "healthy": True, "running": 2, "max_num_seqs": 4, "free_slots": 2,
+               "link": "10.0.0.7:41234", "link_requests": 9, "lora_paths": {"sql": "/adapters/sql"},
+               "lora_roots": {"sql": "ab" * 32}, "lora_loaded": ["sql"], "prefix_hashes": [1, 2, 3]}
+    (public,) = summarize_load([replica])["replicas"]
+    assert public == {"replica_id": "r1", "healthy": True, "running": 2, "max_num_seqs": 4, "free_slots": 2,
+                      "lora_loaded": ["sql"], "num_prefix_hashes": 3}
+    assert load_to_proto(summarize_load([replica])).replicas[0].lora_loaded == ["sql"]
