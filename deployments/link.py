@@ -37,7 +37,8 @@ from typing import AsyncIterator, Protocol
 import msgspec
 
 from deployments.engine_client import ends_request
-from deployments.link_wire import (LINK_TOKEN_ENV, LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, SubmitIn,
+from deployments.link_wire import (LINK_TOKEN_ENV, LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls,
+                                   ReloadingTls, SubmitIn,
                                    check_token, frame, keepalive, link_keys, mac, new_token, outputs, proven_key,
                                    read_ingress_frame, wire_id)
 
@@ -117,7 +118,7 @@ class LinkServer:
 
     def __init__(self, replica: Replica, token: str, host: str = "127.0.0.1", tls: LinkTls | None = None) -> None:
         self._keys = link_keys(token)
-        self._ssl = tls.context(server=True) if tls is not None else None
+        self._ssl = ReloadingTls(tls, server=True).listening if tls is not None else None
         self._replica = replica
         # Bound now, so the address is known from the start (the routing stats carry it).
         self._sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)

@@ -23,8 +23,8 @@ import msgspec
 from deployments.engine_client import ends_request
 from deployments.errors import Unavailable
 from deployments.link import aborted_message
-from deployments.link_wire import (LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, Submit, frame,
-                                   keepalive, link_keys, mac, proven_key, read_outputs, wire_id)
+from deployments.link_wire import (LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, ReloadingTls,
+                                   Submit, frame, keepalive, link_keys, mac, proven_key, read_outputs, wire_id)
 
 CONNECT_TIMEOUT_S = 5.0
 ABORT_REPLY_S = 10.0
@@ -146,7 +146,7 @@ class LinkEngineClient:
     def __init__(self, serve: Any, token: str, choose: Chooser | None = None, tls: LinkTls | None = None,
                  on_done: Callable[[str], None] | None = None) -> None:
         self._keys = link_keys(token)
-        self._ssl = tls.context(server=False) if tls is not None else None
+        self._tls = ReloadingTls(tls, server=False) if tls is not None else None
         self._serve = serve
         self._choose = choose or (lambda request, avoid: None)
         self._on_done = on_done
@@ -204,7 +204,7 @@ class LinkEngineClient:
         host, _, port = address.rpartition(":")
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=self._ssl)
+                reader, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=self._tls and self._tls.current())
         except (OSError, asyncio.TimeoutError) as exc:
             self._failed[replica_id] = time.monotonic()
             raise Unavailable(f"engine replica {replica_id} at {address} unreachable: {exc!r}") from None

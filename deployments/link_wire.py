@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
+import os
 import secrets
 import socket
 import ssl
@@ -42,6 +44,8 @@ FRAME_ITEMS = 1024
 HEADER = struct.Struct("!I")
 NONCE_BYTES = 16
 MAC_BYTES = 32
+
+logger = logging.getLogger(__name__)
 
 
 # -- ingress -> replica
@@ -226,6 +230,45 @@ class LinkTls:
         context.verify_mode = ssl.CERT_REQUIRED
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         return context
+
+
+class ReloadingTls:
+    """``LinkTls``'s context, made again when its files change (cert-manager renews a Secret in place and
+    the mount follows), checked at each new connection: renewed certificates need no restart, and the
+    links already open keep theirs."""
+
+    def __init__(self, tls: LinkTls, server: bool) -> None:
+        self._tls, self._server = tls, server
+        self._stamp = self._files()
+        self._context = tls.context(server)
+        self.listening = self._context
+        """What a server listens with: each handshake then takes the newest context (``_swap``)."""
+        if server:
+            self.listening.sni_callback = self._swap
+
+    def _files(self) -> tuple:
+        stamps = []
+        for path in (self._tls.certfile, self._tls.keyfile, self._tls.cafile):
+            try:
+                st = os.stat(path)  # through the Secret mount's symlinks
+                stamps.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def current(self) -> ssl.SSLContext:
+        stamp = self._files()
+        if stamp != self._stamp:
+            try:
+                self._context = self._tls.context(self._server)
+                self._stamp = stamp
+                logger.info("engine link TLS: certificate files changed, new connections use them")
+            except ValueError as exc:  # caught mid-rotation: the old context serves, the next connection retries
+                logger.warning("engine link TLS: keeping the loaded certificate (%s)", exc)
+        return self._context
+
+    def _swap(self, ssl_object, server_name, context) -> None:
+        ssl_object.context = self.current()
 
 
 # -- frames

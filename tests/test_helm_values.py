@@ -177,3 +177,17 @@ def test_the_chart_refuses_to_serve_without_api_keys_unless_told_to(chart):
     keyed = _app_args(render(chart, {"insecure": False, "apiKeys": {"existingSecret": "keys"}}))
     assert keyed["api_keys_file"] == "/etc/slotserve/api-keys/keys"
     assert "api_keys_file" not in _app_args(render(chart, {"insecure": True}))
+
+
+def test_the_link_token_comes_from_a_secret_on_the_head(chart):
+    from tests.helm_chart import documents, pod_templates
+    rayservice = the(documents(render(chart, {"engineLinkToken": {"existingSecret": "link-token"}})), "RayService")
+    for group, template in pod_templates(rayservice).items():
+        env = {e["name"]: e for c in template["spec"]["containers"] for e in c.get("env", [])}
+        if group == "head":  # where Serve's controller runs build_app
+            assert env["SLOTSERVE_LINK_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "link-token", "key": "token"}}
+        else:
+            assert "SLOTSERVE_LINK_TOKEN" not in env
+    plain = the(documents(render(chart, {})), "RayService")
+    assert not any(e["name"] == "SLOTSERVE_LINK_TOKEN" for t in pod_templates(plain).values()
+                   for c in t["spec"]["containers"] for e in c.get("env", []))

@@ -101,3 +101,43 @@ def test_unreadable_tls_files_are_refused_naming_the_setting(tmp_path):
     with pytest.raises(ValueError, match="engine_link_tls"):
         LinkTls(certfile=str(tmp_path / "missing.pem"), keyfile=str(tmp_path / "missing.key"),
                 cafile=str(tmp_path / "ca.pem")).context(server=True)
+
+
+def _peer_name(client: LinkEngineClient) -> str:
+    (link,) = client._links.values()
+    subject = dict(field for rdn in link.writer.get_extra_info("peercert")["subject"] for field in rdn)
+    return subject["commonName"]
+
+
+def test_renewed_certificate_files_serve_new_links_without_a_restart(tmp_path):
+    """cert-manager renews a Secret in place: both ends read the files again at their next connection,
+    while links already open keep going."""
+    import shutil
+
+    live = tmp_path / "live"
+    live.mkdir()
+    first, second = link_certificates(tmp_path, "first"), link_certificates(tmp_path, "second")
+    tls = LinkTls(certfile=str(live / "tls.crt"), keyfile=str(live / "tls.key"), cafile=str(live / "ca.crt"))
+
+    def install(certs: LinkTls) -> None:
+        for source, target in zip((certs.certfile, certs.keyfile, certs.cafile),
+                                  (tls.certfile, tls.keyfile, tls.cafile)):
+            shutil.copyfile(source, target + ".new")
+            Path(target + ".new").rename(target)  # a whole file at once, as a Secret mount swaps
+
+    install(first)
+
+    async def main():
+        token = new_token()
+        rep = _replica(token, tls)
+        await asyncio.sleep(0)
+        before = _client(rep, token, tls)
+        assert len((await _tokens(before.generate(_request(0))))[0]) == 12
+        assert _peer_name(before) == "first node"
+        install(second)
+        after = _client(rep, token, tls)
+        assert len((await _tokens(after.generate(_request(1))))[0]) == 12
+        assert _peer_name(after) == "second node"  # the replica presented the renewed certificate
+        assert len((await _tokens(before.generate(_request(2))))[0]) == 12  # the open link goes on
+        await _shutdown([rep])
+    run(main())
