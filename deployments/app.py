@@ -27,7 +27,7 @@ from deployments.frontend import FrontendConfig
 from deployments.ingress import ENGINE_DEPLOYMENT, RouterIngress
 from deployments.link import LINK_TOKEN_ENV, LinkTls, new_token
 from deployments.replica import ServeEngineReplica
-from deployments.requests import PRIORITY_RANGE
+from deployments.tenants import ApiKeys, PriorityRange, Tenant, TenantConfig, check_unique
 from deployments.tp_launcher import NOSET_VISIBLE_DEVICES
 from router.autoscale import autoscaling_config
 from router.request_router import request_router_config
@@ -143,8 +143,7 @@ class AppConfig(BaseModel):
     """How the served model writes tool calls (vLLM's ``--tool-call-parser``): ``hermes`` for
     Hermes / Qwen / SmolLM and models given slotserve's tool prompt, ``llama3_json`` for Llama 3."""
     request_timeout_s: Float | None = Field(None, gt=0)
-    allowed_priority: tuple[Annotated[Int, Field(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])],
-                            Annotated[Int, Field(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])]] = (0, 0)
+    allowed_priority: PriorityRange = (0, 0)
     """[lowest, highest] ``priority`` a client may send (lower is scheduled first and preempted last).
     The default [0, 0] refuses any other, as vLLM does without priority scheduling: otherwise any
     client could put itself ahead of everyone."""
@@ -155,10 +154,13 @@ class AppConfig(BaseModel):
     """Route an adapter request to a replica holding its adapter when its load allows (off: on load
     and cached prefix only, e.g. where adapters load fast enough not to matter)."""
     max_body_bytes: Int = Field(8 * 1024 * 1024, ge=1)
-    api_keys: tuple[Str, ...] = Field((), repr=False)
+    api_keys: ApiKeys = Field((), repr=False)
     """Strings of at least 8 characters; never shown in errors or logs."""
     api_keys_file: Str | None = Field(None, min_length=1)
     """One key per line, re-read when it changes (a mounted Kubernetes Secret rotates in place)."""
+    tenants: tuple[TenantConfig, ...] = Field((), repr=False)
+    """Who sends a request, by its API key: each with its own keys, priority range and prefix cache
+    (deployments.tenants). Keys of ``api_keys`` / ``api_keys_file`` are requests of no tenant."""
 
     @model_validator(mode="before")
     @classmethod
@@ -181,19 +183,11 @@ class AppConfig(BaseModel):
             raise ValueError("must be an absolute directory other than /")
         return path
 
-    @field_validator("allowed_priority")
+    @field_validator("tenants")
     @classmethod
-    def _ordered(cls, bounds: tuple[int, int]) -> tuple[int, int]:
-        if bounds[0] > bounds[1]:
-            raise ValueError(f"must be [lowest, highest], got {list(bounds)}")
-        return bounds
-
-    @field_validator("api_keys")
-    @classmethod
-    def _long_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
-        if any(len(k) < 8 for k in keys):
-            raise ValueError("must be strings of at least 8 characters")
-        return keys
+    def _unique(cls, tenants: tuple[TenantConfig, ...], info: ValidationInfo) -> tuple[TenantConfig, ...]:
+        check_unique(tenants, info.data.get("api_keys", ()))
+        return tenants
 
     @model_validator(mode="after")
     def _one_bundle_per_rank(self) -> "AppConfig":
@@ -274,7 +268,8 @@ def frontend_config(cfg: AppConfig) -> FrontendConfig:
                           api_keys_file=cfg.api_keys_file, ingress_replicas=cfg.ingress.num_replicas,
                           tool_call_parser=cfg.tool_call_parser,
                           lora_adapters=tuple((cfg.engine.get("lora") or {}).get("adapters", {})),
-                          lora_load_dir=cfg.lora_load_dir, allowed_priority=cfg.allowed_priority)
+                          lora_load_dir=cfg.lora_load_dir, allowed_priority=cfg.allowed_priority,
+                          tenants=tuple(Tenant.of(t) for t in cfg.tenants))
 
 
 def _autoscaling_config(cfg: AppConfig):

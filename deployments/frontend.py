@@ -28,6 +28,7 @@ from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, b
                                   check_logit_bias, check_messages_length, check_text, check_vocab, effective_timeout,
                                   new_request_id, parse_messages)
 from deployments.engine_client import ends_request
+from deployments.tenants import Tenant, check_priority, tenant_of
 from deployments.textstream import TextAssembler, TextDelta, last_delta
 from deployments.tracing import Tracing
 from engine.errors import InvalidRequestError
@@ -73,7 +74,8 @@ class FrontendConfig:
     lora_load_dir: str | None = None
     """Adapters loaded at run time (``/v1/load_lora_adapter``) must lie inside it; None: that API is off."""
     allowed_priority: tuple[int, int] = (0, 0)
-    """The ``priority`` values a client may send (``AppConfig.allowed_priority``)."""
+    """The ``priority`` values a client of no tenant may send (``AppConfig.allowed_priority``)."""
+    tenants: tuple[Tenant, ...] = ()
 
 
 class _Inflight:
@@ -101,18 +103,19 @@ class Frontend:
 
     # -- checks every protocol shares ------------------------------------------------
 
-    def authorize(self, api_key: str | None) -> None:
-        """Accepts ``Bearer <key>`` or a bare key; no-op when no keys are configured."""
-        keys = self._keys.current()
-        if not keys and not self._keys.required:
-            return
+    def authorize(self, api_key: str | None) -> Tenant | None:
+        """The key's tenant, or None (a key of no tenant, or no keys configured); ``Bearer <key>`` or bare."""
+        keys, tenants = self._keys.current(), self.config.tenants
+        if not keys and not tenants and not self._keys.required:
+            return None
         key = (api_key or "").strip()
         if key.lower().startswith("bearer "):
             key = key[7:].strip()
         # Compare with every key, whatever matches: the time taken says nothing about which one.
-        matches = [hmac.compare_digest(key.encode(), k.encode()) for k in keys]
-        if not key or not any(matches):
+        matches, tenant = [hmac.compare_digest(key.encode(), k.encode()) for k in keys], tenant_of(key, tenants)
+        if not key or not (any(matches) or tenant is not None):
             raise Unauthenticated("missing or invalid API key: send 'authorization: Bearer <key>'")
+        return tenant
 
     async def check_model(self, model: str | None) -> tuple[str | None, str | None]:
         """(LoRA adapter, its directory if replicas may lack it) that ``model`` names; (None, None) for
@@ -190,14 +193,12 @@ class Frontend:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
 
-    async def prepare(self, inp: GenerateInput, trace_context: Mapping[str, str] | None = None) -> PreparedRequest:
+    async def prepare(self, inp: GenerateInput, trace_context: Mapping[str, str] | None = None,
+                      tenant: Tenant | None = None) -> PreparedRequest:
         """``trace_context``: the W3C headers (traceparent, tracestate) the engine replica's spans
-        descend from (the ingress span's)."""
+        descend from (the ingress span's). ``tenant``: whose it is (``authorize``)."""
         lora, lora_path = await self.check_model(inp.model)
-        low, high = self.config.allowed_priority
-        if not low <= inp.priority <= high:
-            raise BadRequest(f"priority {inp.priority} is not allowed here: this deployment takes [{low}, {high}] "
-                             "(allowed_priority)", param="priority")
+        check_priority(inp.priority, tenant, self.config.allowed_priority)
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(inp, name) is not None]
         if len(given) != 1:
             raise BadRequest("give exactly one of prompt, messages or prompt_token_ids"
@@ -229,7 +230,8 @@ class Frontend:
                                timeout_s=effective_timeout(inp.timeout_s, self.config.request_timeout_s),
                                trace_context=trace_context, client_request_id=inp.request_id,
                                operation="chat" if inp.messages is not None else "text_completion", lora=lora,
-                               lora_path=lora_path, cache_salt=inp.cache_salt)
+                               lora_path=lora_path,
+                               cache_salt=tenant.cache_salt(inp.cache_salt) if tenant else inp.cache_salt)
 
     # -- streaming -------------------------------------------------------------------
 

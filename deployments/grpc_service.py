@@ -201,10 +201,11 @@ class SlotServeGrpcMixin:
                                                    client, _GENERATE_RPC)
         last = None
         try:
-            self.frontend.authorize(metadata(grpc_context, "authorization"))  # before parsing: no key, no detail
+            tenant = self.frontend.authorize(metadata(grpc_context, "authorization"))  # before parsing
             msg = parse(pb.GenerateRequest, request)
             tools = proto_tools(msg, self.frontend.config.tool_call_parser)
-            prepared = await self.frontend.prepare(generate_input(msg, tools), span.engine_trace_context(client))
+            prepared = await self.frontend.prepare(generate_input(msg, tools), span.engine_trace_context(client),
+                                                   tenant)
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
             calls = tools.streams(prepared.params.n)
             async with contextlib.aclosing(self.frontend.stream(prepared)) as deltas:

@@ -188,14 +188,14 @@ class OpenAIRoutes:
         span = self.frontend.tracing.start_ingress(f"POST {path}", self.frontend.config.served_model_name, client,
                                                    {"http.request.method": "POST", "url.path": path})
         try:
-            self.frontend.authorize(request.headers.get("authorization"))
+            tenant = self.frontend.authorize(request.headers.get("authorization"))
             body = await _read_json(request, self.max_body_bytes)
             rid = request.headers.get("x-request-id")
             parsed = (parse_chat_body(body, rid, self.frontend.config.tool_call_parser) if chat
                       else parse_completion_body(body, rid))
             audit = _wants_audit(request.headers.get(AUDIT_HEADER), parsed)
             # Passed beside the input, not into it: a copy would validate the whole body again.
-            prepared = await self.frontend.prepare(parsed.input, span.engine_trace_context(client))
+            prepared = await self.frontend.prepare(parsed.input, span.engine_trace_context(client), tenant)
             span.on_request(prepared.operation, prepared.request_id, prepared.params)
             echo = None
             if parsed.echo:

@@ -1,0 +1,99 @@
+"""Tenants: who sends a request, told by its API key at the ingress (app config ``tenants``).
+
+A tenant has its own keys, its own range of ``priority`` values, and its own prefix cache: its
+requests' block hashes are salted with its name, so no tenant's ``cached_tokens`` reveal anything of
+another's prompts unless it is configured to share (``share_cache``). Keys of the flat ``api_keys`` /
+``api_keys_file`` list keep working as requests of no tenant, under the app's own limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from typing import Annotated, Iterable
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from deployments.errors import BadRequest
+from deployments.requests import PRIORITY_RANGE
+from engine.validation import Bool, Int, Str
+
+def check_bounds(bounds: tuple[int, int]) -> tuple[int, int]:
+    if bounds[0] > bounds[1]:
+        raise ValueError(f"must be [lowest, highest], got {list(bounds)}")
+    return bounds
+
+
+def check_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
+    if any(len(k) < 8 for k in keys):
+        raise ValueError("must be strings of at least 8 characters")
+    return keys
+
+
+Priority = Annotated[Int, Field(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])]
+PriorityRange = Annotated[tuple[Priority, Priority], AfterValidator(check_bounds)]
+"""[lowest, highest] ``priority`` a client may send."""
+ApiKeys = Annotated[tuple[Str, ...], AfterValidator(check_keys)]
+"""Strings of at least 8 characters; never shown in errors or logs (give their fields repr=False)."""
+
+
+class TenantConfig(BaseModel):
+    """One entry of the app config's ``tenants``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    api_keys: ApiKeys = Field(min_length=1, repr=False)
+    allowed_priority: PriorityRange = (0, 0)
+    share_cache: Bool = False
+    """True: its prompts share cached blocks with every request of no tenant or another sharing one."""
+
+
+def check_unique(tenants: Iterable[TenantConfig], flat_keys: Iterable[str]) -> None:
+    """Each name once, and each key names one tenant (or none): else a key's tenant is a guess."""
+    names, keys = set(), set(flat_keys)
+    for tenant in tenants:
+        if tenant.name in names:
+            raise ValueError(f"tenant {tenant.name!r} is named twice")
+        names.add(tenant.name)
+        if keys & set(tenant.api_keys) or len(set(tenant.api_keys)) < len(tenant.api_keys):
+            raise ValueError(f"tenant {tenant.name!r} has an API key that is given twice (keys are not shown)")
+        keys |= set(tenant.api_keys)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    api_keys: tuple[str, ...] = field(repr=False)
+    allowed_priority: tuple[int, int] = (0, 0)
+    share_cache: bool = False
+
+    @classmethod
+    def of(cls, config: TenantConfig) -> "Tenant":
+        return cls(config.name, config.api_keys, config.allowed_priority, config.share_cache)
+
+    def cache_salt(self, client_salt: str | None) -> str | None:
+        """The salt its requests' blocks are hashed under: its own (and the client's, within it)."""
+        if self.share_cache:
+            return client_salt
+        return hashlib.sha256(f"tenant\0{self.name}\0{client_salt or ''}".encode()).hexdigest()
+
+
+def tenant_of(key: str, tenants: tuple[Tenant, ...]) -> Tenant | None:
+    """The tenant holding ``key``; every key is compared, so the time taken says nothing of which."""
+    found = None
+    for tenant in tenants:
+        for candidate in tenant.api_keys:
+            if hmac.compare_digest(key.encode(), candidate.encode()):
+                found = tenant
+    return found
+
+
+def check_priority(priority: int, tenant: Tenant | None, app_allowed: tuple[int, int]) -> None:
+    low, high = tenant.allowed_priority if tenant is not None else app_allowed
+    if not low <= priority <= high:
+        whose = f"tenant {tenant.name!r}" if tenant is not None else "this deployment"
+        setting = "tenants.allowed_priority" if tenant is not None else "allowed_priority"
+        raise BadRequest(f"priority {priority} is not allowed here: {whose} takes [{low}, {high}] ({setting})",
+                         param="priority")
