@@ -252,6 +252,9 @@ class AsyncEngine:
                 _, fn, loop, done = item
                 try:
                     result = fn(self.engine)
+                    # What the call changed (a LoRA adapter loaded) is in the stats before its caller
+                    # hears back: the next step may be far off, and routers read these.
+                    self._stats = self.engine.stats()
                 except Exception as exc:  # noqa: BLE001 - the caller's error, raised in its own loop
                     _call_soon(loop, lambda e=exc: done.done() or done.set_exception(e))
                 else:
