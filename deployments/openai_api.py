@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with
 ``stream: true``), GET /v1/models, GET /v1/models/{id}, vLLM's POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter, plus GET /health (an engine is ready) and GET /load (per-replica load).
+/v1/unload_lora_adapter, Anthropic's POST /v1/messages and /v1/messages/count_tokens
+(``deployments.anthropic_api``), plus GET /health (an engine is ready) and GET /load (per-replica load).
 A request with the header ``x-slotserve-audit: true``
 gets its scheduling audit trail in ``usage.audit`` (docs/OBSERVABILITY.md). Errors use OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` and status codes: 400 bad request,
@@ -12,7 +13,6 @@ gets its scheduling audit trail in ``usage.audit`` (docs/OBSERVABILITY.md). Erro
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -21,85 +21,22 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from deployments.errors import BadRequest, ModelNotFound, PayloadTooLarge, ServingError, to_serving_error
+from deployments.anthropic_api import add_anthropic_routes, is_anthropic_path
+from deployments.errors import BadRequest, ModelNotFound, ServingError, to_serving_error
 from deployments.frontend import Frontend
+from deployments.http_common import error_response, first_delta, id_headers, ingress_span, read_json
 from deployments.openai_protocol import LoRAAdapterRequest, ParsedBody, parse_chat_body, parse_completion_body
 from deployments.openai_responses import ResponseBuilder
 from deployments.openai_schema import install_openapi
-from deployments.tracing import trace_headers
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 AUDIT_HEADER = "x-slotserve-audit"
 
 
-class _AsciiJSONResponse(JSONResponse):
-    """Errors quote client text, which may hold lone surrogates (legal in JSON escapes):
-    ASCII-escaped JSON renders them instead of failing with a bare 500."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-def error_response(exc: BaseException) -> JSONResponse:
-    err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
-    headers = {"retry-after": "1"} if err.http_status in (429, 503) else None
-    return _AsciiJSONResponse(err.openai_body(), status_code=err.http_status, headers=headers)
-
-
-DISCARD_BYTES = 64 << 20
-DISCARD_S = 10.0
-"""An oversized body is still read, and dropped, up to this much and this long before the 413 goes
-out: a client still sending when the server answers and closes gets a connection reset instead of
-the answer. Past either bound (a body of gigabytes, a client trickling) the answer goes out anyway."""
-
-
-async def _discard(chunks, size: int) -> None:
-    try:
-        async with asyncio.timeout(DISCARD_S):
-            async for chunk in chunks:
-                size += len(chunk)
-                if size > DISCARD_BYTES:
-                    return
-    except (TimeoutError, ClientDisconnect):
-        pass
-
-
-async def _read_body(request: Request, max_body_bytes: int) -> bytes:
-    """The body, refused as soon as it is known to pass the limit: never held whole in memory."""
-    declared = request.headers.get("content-length")
-    chunks, size, kept = request.stream(), 0, []
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        if int(declared) <= DISCARD_BYTES:
-            await _discard(chunks, 0)
-        raise PayloadTooLarge(f"the request body has {declared} bytes; the limit is {max_body_bytes}")
-    async for chunk in chunks:
-        size += len(chunk)
-        if size > max_body_bytes:
-            await _discard(chunks, size)
-            raise PayloadTooLarge(f"the request body passes the limit of {max_body_bytes} bytes")
-        kept.append(chunk)
-    return b"".join(kept)
-
-
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _read_json(request: Request, max_body_bytes: int):
-    raw = await _read_body(request, max_body_bytes)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start}); send UTF-8 JSON") from None
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise BadRequest("the request body is not valid JSON: it nests too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
-        raise BadRequest(f"the request body is not valid JSON: {str(exc).split(';')[0]}") from None
 
 
 class OpenAIRoutes:
@@ -146,7 +83,7 @@ class OpenAIRoutes:
         ({lora_name}), behind the API key: on every engine replica."""
         try:
             self.frontend.authorize(request.headers.get("authorization"))
-            body = LoRAAdapterRequest.parse(await _read_json(request, self.max_body_bytes))
+            body = LoRAAdapterRequest.parse(await read_json(request, self.max_body_bytes))
             config = self.frontend.config
             if request.url.path.endswith("/load_lora_adapter"):
                 if body.lora_path is None:
@@ -183,13 +120,10 @@ class OpenAIRoutes:
             return error_response(exc)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        path, client = request.url.path, trace_headers(request.headers.get("traceparent"),
-                                                        request.headers.get("tracestate"))
-        span = self.frontend.tracing.start_ingress(f"POST {path}", self.frontend.config.served_model_name, client,
-                                                   {"http.request.method": "POST", "url.path": path})
+        span, client = ingress_span(self.frontend, request)
         try:
             tenant = self.frontend.authorize(request.headers.get("authorization"))
-            body = await _read_json(request, self.max_body_bytes)
+            body = await read_json(request, self.max_body_bytes)
             rid = request.headers.get("x-request-id")
             parsed = (parse_chat_body(body, rid, self.frontend.config.tool_call_parser) if chat
                       else parse_completion_body(body, rid))
@@ -202,7 +136,7 @@ class OpenAIRoutes:
                 echo = parsed.input.prompt or self.frontend.tokenizer.decode(list(prepared.prompt_token_ids))
             builder = ResponseBuilder(chat, prepared.request_id, self.frontend.config.served_model_name,
                                       parsed.tools, prepared.params.n, echo)
-            headers = _id_headers(request, prepared)
+            headers = id_headers(request, prepared)
             if parsed.stream:
                 return await self._stream(prepared, parsed, builder, span, audit, headers)
             _, deltas = await self.frontend.generate_all(prepared)
@@ -219,25 +153,10 @@ class OpenAIRoutes:
     async def _stream(self, prepared, parsed: ParsedBody, builder: ResponseBuilder, span, audit: bool,
                       headers: dict[str, str]) -> Response:
         deltas = self.frontend.stream(prepared)
-        try:
-            # Wait for the first delta so that a rejection (overload, bad request found by
-            # the engine) is still an HTTP status, not an error event inside a 200 stream.
-            first = await deltas.__anext__()
-        except BaseException:
-            await deltas.aclose()
-            raise
+        first = await first_delta(deltas)
         return StreamingResponse(_events(first, deltas, parsed, builder, self.frontend.metrics, span, audit),
                                  media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
-
-
-def _id_headers(request: Request, prepared) -> dict[str, str]:
-    """``x-request-id``: the client's back, or the server's id when it sent none. Behind Serve's
-    proxy or HAProxy every request arrives with one (the client's, or one they made) and Serve
-    echoes it on the response: a second copy from here would be a duplicate header."""
-    if request.headers.get("x-request-id") is not None:
-        return {}
-    return {"x-request-id": prepared.client_request_id or prepared.request_id}
 
 
 def _wants_audit(header: str | None, parsed: ParsedBody) -> bool:
@@ -291,8 +210,11 @@ def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         # Unknown paths (404) and wrong methods (405): OpenAI's error body like every other error.
-        body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
-                          "type": "invalid_request_error", "param": None, "code": None}}
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+        if is_anthropic_path(request.url.path):
+            body = {"type": "error", "error": {"type": "not_found_error" if exc.status_code == 404
+                                               else "invalid_request_error", "message": message}}
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
@@ -300,6 +222,7 @@ def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/load_lora_adapter", routes.manage_lora, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", routes.manage_lora, methods=["POST"])
+    add_anthropic_routes(app, frontend, max_body_bytes)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/load", routes.load, methods=["GET"])
     install_openapi(app, tuple(dict.fromkeys((frontend.config.served_model_name, frontend.config.model,

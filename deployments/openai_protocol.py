@@ -64,6 +64,13 @@ class ResponseFormat(BaseModel):
         return None
 
 
+def model_id(model: Any) -> Any:
+    """Any string goes on: one not served is NOT_FOUND (the frontend's check), not a bad request."""
+    if not isinstance(model, str) or not model:
+        raise ValueError("must be a model id from /v1/models")
+    return model
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -109,13 +116,7 @@ class _Request(BaseModel):
     metadata: Any = None
     service_tier: Any = None
 
-    @field_validator("model")
-    @classmethod
-    def _model_id(cls, model: Any) -> Any:
-        # any string goes on: one not served is NOT_FOUND (the frontend's check), not a bad request
-        if not isinstance(model, str) or not model:
-            raise ValueError("must be a model id from /v1/models")
-        return model
+    _model_id = field_validator("model")(model_id)
 
     @field_validator("stream_options")
     @classmethod
@@ -256,7 +257,7 @@ class ParsedBody:
     """Completions: the prompt comes back before each choice's text (and logprobs)."""
 
 
-def _validate(model: type[BaseModel], body: Any) -> Any:
+def validate_body(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
     unknown = [k for k in body if k not in model.model_fields]
@@ -279,11 +280,11 @@ class LoRAAdapterRequest(BaseModel):
 
     @classmethod
     def parse(cls, body: Any) -> "LoRAAdapterRequest":
-        return _validate(cls, body)
+        return validate_body(cls, body)
 
 
 def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBody:
-    req = _validate(CompletionRequest, body)
+    req = validate_body(CompletionRequest, body)
     sampling = req.sampling()
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
@@ -298,7 +299,7 @@ def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBod
 
 
 def parse_chat_body(body: Any, request_id: str | None = None, tool_parser: str = "hermes") -> ParsedBody:
-    req = _validate(ChatRequest, body)
+    req = validate_body(ChatRequest, body)
     sampling = req.sampling()
     tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser,
                      constrained="structured_outputs" in sampling)

@@ -61,6 +61,8 @@ class TextDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     """On choice 0's first delta, with ``prompt_logprobs``: one per prompt token (before any other
     choice's delta: the engine starts the siblings after it)."""
+    stop_string: str | None = None
+    """On a choice's last delta: the stop string that ended it (vLLM's ``stop_reason``), if one did."""
 
 
 class TextAssembler:
@@ -103,7 +105,7 @@ class TextAssembler:
         scored = message.get("prompt_logprobs")
         prompt = None if scored is None else self._prompt_logprobs(scored)
         return TextDelta(self._request_id, text, tuple(ids), logprobs, finish, None, self._client_request_id, audit,
-                         self.index, prompt_logprobs=prompt)
+                         self.index, prompt_logprobs=prompt, stop_string=self._text.stop_string if finish else None)
 
     def abort(self) -> TextDelta:
         """The last delta of a choice that ended without the engine saying so."""

@@ -223,6 +223,11 @@ class TextStream:
     def stopped(self) -> bool:
         return self._stop is not None and self._stop.stopped
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return None if self._stop is None else self._stop.stop_reason
+
     def push(self, ids: Sequence[int]) -> tuple[str, int]:
         """The text ``ids`` complete, and how many of them count: all of them, or up to the
         one that completed a stop string (the rest were never part of the output)."""

@@ -82,3 +82,9 @@ class Service:
         import openai
 
         return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
+
+    def anthropic(self):
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.base_url.removesuffix("/v1"), api_key="unused", max_retries=0,
+                                   timeout=60)

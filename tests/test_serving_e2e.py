@@ -103,6 +103,16 @@ def test_openai_client_matches_offline_llm(service, offline):
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_anthropic_client_matches_offline_llm(service, offline):
+    """Anthropic's server-sent events (``event:`` lines) pass Serve's proxy and HAProxy alike."""
+    client, messages, greedy = service.anthropic(), [{"role": "user", "content": PROMPTS[0]}], {"temperature": 0}
+    whole = client.messages.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, extra_body=greedy)
+    assert [b.text for b in whole.content] == [offline[2][0]] and whole.stop_reason == "max_tokens"
+    with client.messages.stream(model="tiny", messages=messages, max_tokens=MAX_TOKENS, extra_body=greedy) as stream:
+        assert "".join(stream.text_stream) == offline[2][0]
+        assert stream.get_final_message().usage.output_tokens == MAX_TOKENS
+
+
 @ONE_MODE
 def test_a_lora_adapter_by_model_name_over_both_protocols(service, tiny_model_dir, lora):
     from engine import LLM, SamplingParams
