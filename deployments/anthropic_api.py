@@ -10,16 +10,13 @@ codes (``deployments.anthropic_responses.error_body``).
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.anthropic_protocol import parse_count_tokens_body, parse_messages_body
-from deployments.anthropic_responses import MessageBuilder, error_body, sse
-from deployments.errors import ServingError, to_serving_error
+from deployments.anthropic_responses import MessageBuilder, error_body
 from deployments.frontend import Frontend
-from deployments.http_common import error_response, first_delta, id_headers, ingress_span, read_json
+from deployments.http_common import error_response, first_delta, id_headers, ingress_span, named_events, read_json
 
 
 def api_key(request: Request) -> str | None:
@@ -46,7 +43,9 @@ class AnthropicRoutes:
             if parsed.stream:
                 deltas = frontend.stream(prepared)
                 first = await first_delta(deltas)
-                return StreamingResponse(self._events(first, deltas, builder, span), media_type="text/event-stream",
+                events = named_events(first, deltas, builder, span, frontend.metrics,
+                                      lambda err: ("error", error_body(err)))
+                return StreamingResponse(events, media_type="text/event-stream",
                                          headers={**headers, "cache-control": "no-cache"})
             _, deltas = await frontend.generate_all(prepared)
             span.end(deltas[-1])
@@ -58,26 +57,6 @@ class AnthropicRoutes:
         except BaseException:  # cancelled: the client went away
             span.end()
             raise
-
-    async def _events(self, first, deltas: AsyncIterator, builder: MessageBuilder, span):
-        try:
-            for event, body in builder.start():
-                yield sse(event, body)
-            delta = first
-            while True:
-                for event, body in builder.events(delta):
-                    yield sse(event, body)
-                if delta.ends_request:
-                    break
-                delta = await deltas.__anext__()
-            span.end(delta)
-        except Exception as exc:  # the status line is gone: an error event, as Anthropic sends
-            span.end(error=exc)
-            self.frontend.metrics.rejected(exc)
-            yield sse("error", error_body(exc if isinstance(exc, ServingError) else to_serving_error(exc)))
-        finally:
-            span.end()  # the client went away mid-stream (no-op when already ended)
-            await deltas.aclose()
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens as the chat template renders it, tools included (Anthropic's

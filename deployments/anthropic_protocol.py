@@ -24,18 +24,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, ValidationInfo, field_validator
 
 from deployments.errors import BadRequest
 from deployments.openai_protocol import ParsedBody, model_id, validate_body
-from deployments.requests import MAX_MESSAGES, GenerateInput, parse_messages
+from deployments.requests import MAX_MESSAGES, GenerateInput, Unread, kind_tag, parse_messages
 from deployments.tools import MAX_TOOLS, FunctionDef, NamedToolChoice, ToolDef, tool_use
 from engine.structured import StructuredOutputs, grammar_problem
 from engine.tokenizer import MAX_JSON_DEPTH, json_depth
-from engine.validation import Bool, Int, Str, Text
-
-_UNREAD = "is not supported: the served models read text only"
-
+from engine.validation import Bool, Int, Str, Text, union_tag
 
 class _Block(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -79,19 +76,13 @@ class ToolResultBlock(_Block):
     is_error: Bool | None = None
 
 
-class _Unread(_Block):
-    """Block types of Anthropic's API that a text model cannot take: refused by name."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-    type: Literal["image", "document", "thinking", "redacted_thinking", "search_result"]
-
-    @field_validator("type")
-    @classmethod
-    def _refused(cls, kind: str) -> str:
-        raise ValueError(f"{kind!r} content {_UNREAD}")
+def _block_kind(block: Any) -> str:
+    return kind_tag(block, ("text", "tool_use", "tool_result"))
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, _Unread], Field(discriminator="type")]
+Block = Annotated[Union[Annotated[TextBlock, union_tag("text")], Annotated[ToolUseBlock, union_tag("tool_use")],
+                        Annotated[ToolResultBlock, union_tag("tool_result")], Annotated[Unread, union_tag("other")]],
+                  Discriminator(_block_kind)]
 
 
 class Message(BaseModel):
@@ -260,7 +251,8 @@ def _chat_turn(message: Message) -> list[dict]:
         return [{"role": "assistant", "content": texts, **({"tool_calls": calls} if calls else {})}]
     # A user turn answers the calls first (Anthropic puts the results first), then says more.
     turn = [{"role": "tool", "tool_call_id": b.tool_use_id,
-             "content": ("error: " if b.is_error else "") + _text(b.content)} for b in message.content if b.type == "tool_result"]
+             "content": ("error: " if b.is_error else "") + _text(b.content)}
+            for b in message.content if b.type == "tool_result"]
     if texts or not turn:
         turn.append({"role": "user", "content": texts})
     return turn

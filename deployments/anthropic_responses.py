@@ -116,7 +116,3 @@ class MessageBuilder:
             return []
         self._open = None
         return [("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
-
-
-def sse(event: str, body: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"

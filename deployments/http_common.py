@@ -106,3 +106,34 @@ async def first_delta(deltas: AsyncIterator):
     except BaseException:
         await deltas.aclose()
         raise
+
+
+def sse_event(event: str, body: dict) -> str:
+    """A server-sent event with its type named, as the Responses and Messages APIs send them."""
+    return f"event: {event}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def named_events(first, deltas: AsyncIterator, built, span, metrics, error_event, on_done=None):
+    """A stream of named events (``sse_event``): ``built.start()``, then ``built.events(delta)`` for
+    each delta until the request's last; a failure after the status line went out is
+    ``error_event(err)``, in-band. ``on_done``: called once the whole reply went out."""
+    try:
+        for event, body in built.start():
+            yield sse_event(event, body)
+        delta = first
+        while True:
+            for event, body in built.events(delta):
+                yield sse_event(event, body)
+            if delta.ends_request:
+                break
+            delta = await deltas.__anext__()
+        span.end(delta)
+        if on_done is not None:
+            on_done()
+    except Exception as exc:
+        span.end(error=exc)
+        metrics.rejected(exc)
+        yield sse_event(*error_event(exc if isinstance(exc, ServingError) else to_serving_error(exc)))
+    finally:
+        span.end()  # the client went away mid-stream (no-op when already ended)
+        await deltas.aclose()

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI), served by the ingress.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with
-``stream: true``), GET /v1/models, GET /v1/models/{id}, vLLM's POST /v1/load_lora_adapter and
+``stream: true``), the Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id};
+``deployments.responses_api``), GET /v1/models, GET /v1/models/{id}, vLLM's POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter, Anthropic's POST /v1/messages and /v1/messages/count_tokens
 (``deployments.anthropic_api``), plus GET /health (an engine is ready) and GET /load (per-replica load).
 A request with the header ``x-slotserve-audit: true``
@@ -29,6 +30,7 @@ from deployments.http_common import error_response, first_delta, id_headers, ing
 from deployments.openai_protocol import LoRAAdapterRequest, ParsedBody, parse_chat_body, parse_completion_body
 from deployments.openai_responses import ResponseBuilder
 from deployments.openai_schema import install_openapi
+from deployments.responses_api import add_responses_routes
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -223,6 +225,7 @@ def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_
     app.add_api_route("/v1/load_lora_adapter", routes.manage_lora, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", routes.manage_lora, methods=["POST"])
     add_anthropic_routes(app, frontend, max_body_bytes)
+    add_responses_routes(app, frontend, max_body_bytes)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/load", routes.load, methods=["GET"])
     install_openapi(app, tuple(dict.fromkeys((frontend.config.served_model_name, frontend.config.model,

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Mapping, Sequence
 
-from pydantic import Field, SkipValidation, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, ValidationError, field_validator
 
 from deployments.errors import BadRequest
 from engine.errors import InvalidRequestError
@@ -22,7 +22,7 @@ from engine.kv.hashing import MAX_CACHE_SALT_CHARS
 from engine.sampling import SamplingParams
 from engine.structured import check as check_grammar
 from engine.tokenizer import ChatMessage
-from engine.validation import FieldError, Float, Int, Str, Text, field_errors, validated
+from engine.validation import FieldError, Float, Int, Str, Text, field_errors, union_tag, validated
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 1024
@@ -45,6 +45,26 @@ class _Messages:
 def parse_messages(value: Any) -> tuple[ChatMessage, ...]:
     """OpenAI-style chat messages: [{"role": ..., "content": str | [{"type": "text", ...}]}]."""
     return _Messages(messages=value).messages
+
+
+class Unread(BaseModel):
+    """A content or item type of the Messages or Responses API that the served models cannot take
+    (images, files, reasoning, hosted tools' calls, ...): refused by name."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    type: Str
+
+    @field_validator("type")
+    @classmethod
+    def _refused(cls, kind: str) -> str:
+        raise ValueError(f"{kind!r} is not supported: the served models read text and call only functions")
+
+
+def kind_tag(value: Any, served: tuple[str, ...], default: str | None = None) -> str:
+    """The union tag of a tagged item by its ``type`` (``default`` when it has none): its own when
+    it is one of ``served``, else "other" (``Unread``)."""
+    kind = value.get("type", default) if isinstance(value, Mapping) else getattr(value, "type", default)
+    return union_tag(kind if kind in served else "other").tag
 
 
 @validated(bad_request)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Callable
 
 import annotated_types
 import pydantic
-from pydantic import AfterValidator, AllowInfNan, Strict, ValidationError
+from pydantic import AfterValidator, AllowInfNan, Strict, Tag, ValidationError
 
 # Strict scalars: "8" is not an int, True is not a number, 16.0 is not a block size.
 Int = Annotated[int, Strict()]
@@ -59,8 +59,17 @@ def field_errors(exc: ValidationError, model: type | None = None) -> list[FieldE
             if not (err["type"] in ("too_short", "too_long") and tuple(err["loc"]) in parents)]
 
 
+def union_tag(name: str) -> Tag:
+    """A tagged union member's tag, which pydantic puts in an error's location: marked, so that the
+    field path named to the client leaves it out (``input.0.type``, not ``input.0.message.type``)."""
+    return Tag(_TAG_MARK + name)
+
+
+_TAG_MARK = "\x00"
+
+
 def _field_error(err: dict, model: type | None) -> FieldError:
-    loc = tuple(err["loc"])
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(_TAG_MARK)))
     key = loc[-1:] == ("[key]",)  # a mapping's key, not its value (pydantic's own marker)
     loc = loc[:-1] if key else loc
     param = ".".join(str(part) for part in loc) or None

@@ -25,6 +25,18 @@ def make_frontend(tokenizer, replicas=1, api_keys=(), linked=True, **engine_opti
     return Frontend(config, tokenizer, LinkEngineClient(client, token) if linked else client), reps
 
 
+def real_replica(model_dir):
+    """An engine replica over a real (tiny) model, in this process."""
+    return EngineReplica(str(model_dir), {"dtype": "float32", "block_size": 8, "num_kv_blocks": 256,
+                                          "max_num_seqs": 4}, drain_timeout_s=5)
+
+
+def real_frontend(replica, model_dir, tokenizer, **config):
+    """A frontend over ``replica``, serving it as "tiny"; ``config``: other FrontendConfig fields."""
+    return Frontend(FrontendConfig(served_model_name="tiny", model=str(model_dir), **config), tokenizer,
+                    LocalEngineClient([replica]))
+
+
 def run(coro, timeout_s: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 

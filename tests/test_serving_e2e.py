@@ -103,14 +103,20 @@ def test_openai_client_matches_offline_llm(service, offline):
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
-def test_anthropic_client_matches_offline_llm(service, offline):
-    """Anthropic's server-sent events (``event:`` lines) pass Serve's proxy and HAProxy alike."""
+def test_anthropic_and_responses_clients_match_offline_llm(service, offline):
+    """Server-sent events with named types (``event:`` lines) pass Serve's proxy and HAProxy alike."""
     client, messages, greedy = service.anthropic(), [{"role": "user", "content": PROMPTS[0]}], {"temperature": 0}
     whole = client.messages.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, extra_body=greedy)
     assert [b.text for b in whole.content] == [offline[2][0]] and whole.stop_reason == "max_tokens"
     with client.messages.stream(model="tiny", messages=messages, max_tokens=MAX_TOKENS, extra_body=greedy) as stream:
         assert "".join(stream.text_stream) == offline[2][0]
         assert stream.get_final_message().usage.output_tokens == MAX_TOKENS
+    client = service.openai()
+    whole = client.responses.create(model="tiny", input=PROMPTS[0], max_output_tokens=MAX_TOKENS, temperature=0)
+    events = list(client.responses.create(model="tiny", input=PROMPTS[0], max_output_tokens=MAX_TOKENS,
+                                          temperature=0, stream=True))
+    assert whole.output_text == offline[2][0] == events[-1].response.output_text
+    assert client.responses.retrieve(whole.id).output_text == offline[2][0]
 
 
 @ONE_MODE

@@ -287,12 +287,12 @@ def test_grpc_auth_tokenize_info_load_health(tokenizer):
 
 # -- OpenAI API, through the official client ------------------------------------------------
 
-def _clients(app, **kwargs):
+def _clients(app, api_key="none", **kwargs):
     import httpx2
     import openai
 
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://test")
-    client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0, **kwargs)
+    client = openai.AsyncOpenAI(base_url="http://test/v1", api_key=api_key, http_client=http, max_retries=0, **kwargs)
     return client, http
 
 

@@ -11,7 +11,7 @@ import pytest
 from deployments.errors import BadRequest
 from deployments.openai_protocol import parse_chat_body
 from deployments.tools import ToolStream, parse_tool_calls
-from tests.serving_helpers import run
+from tests.serving_helpers import real_frontend, real_replica, run
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object", "additionalProperties": False,
@@ -86,18 +86,11 @@ def test_bad_tool_requests_name_the_field(extra, param, needle):
 
 @pytest.fixture(scope="module")
 def replica(tiny_model_dir):
-    from deployments.replica import EngineReplica
-
-    return EngineReplica(str(tiny_model_dir), {"dtype": "float32", "block_size": 8, "num_kv_blocks": 256,
-                                               "max_num_seqs": 4}, drain_timeout_s=5)
+    return real_replica(tiny_model_dir)
 
 
 def _frontend(replica, tiny_model_dir, tokenizer, parser: str = "hermes"):
-    from deployments.engine_client import LocalEngineClient
-    from deployments.frontend import Frontend, FrontendConfig
-
-    config = FrontendConfig(served_model_name="tiny", model=str(tiny_model_dir), tool_call_parser=parser)
-    return Frontend(config, tokenizer, LocalEngineClient([replica]))
+    return real_frontend(replica, tiny_model_dir, tokenizer, tool_call_parser=parser)
 
 
 @pytest.fixture(scope="module")
