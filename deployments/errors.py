@@ -72,6 +72,17 @@ class Overloaded(ServingError):
     metric_reason = "overloaded"
 
 
+class TenantLimitExceeded(Overloaded):
+    """A tenant's own limit (``deployments.quotas``), not the engines' capacity."""
+
+    openai_code = "tenant_limit_exceeded"
+    metric_reason = "tenant_limit"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class Unavailable(ServingError):
     grpc_code = "UNAVAILABLE"
     http_status = 503

@@ -24,6 +24,7 @@ from deployments.engine_client import EngineClient, EngineStream
 from deployments.errors import (BadRequest, DeadlineExceeded, Overloaded, Unauthenticated,
                                 ServingError, Unavailable, to_serving_error)
 from deployments.metrics import IngressMetrics, recorder_for
+from deployments.quotas import TenantQuotas
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
                                   check_logit_bias, check_messages_length, check_text, check_vocab, effective_timeout,
                                   new_request_id, parse_messages)
@@ -99,6 +100,7 @@ class Frontend:
         self._admission = Admission(engine.replica_loads if engine is not None else None, config.ingress_replicas)
         self.adapters = Adapters(config.lora_adapters, config.lora_load_dir, engine)
         self.metrics = IngressMetrics(recorder_for(config.served_model_name))  # rejections, counted by the protocols
+        self.quotas = TenantQuotas(config.tenants, config.ingress_replicas, self.metrics.recorder)
         self.tracing = tracing if tracing is not None else Tracing.from_env()  # spans, started by the protocols
 
     # -- checks every protocol shares ------------------------------------------------
@@ -231,7 +233,8 @@ class Frontend:
                                trace_context=trace_context, client_request_id=inp.request_id,
                                operation="chat" if inp.messages is not None else "text_completion", lora=lora,
                                lora_path=lora_path,
-                               cache_salt=tenant.cache_salt(inp.cache_salt) if tenant else inp.cache_salt)
+                               cache_salt=tenant.cache_salt(inp.cache_salt) if tenant else inp.cache_salt,
+                               tenant=tenant.name if tenant else None)
 
     # -- streaming -------------------------------------------------------------------
 
@@ -250,6 +253,7 @@ class Frontend:
             raise Overloaded(f"this ingress holds {len(self._inflight)} streams, its share of all the engines "
                              "can run or queue; retry later")
         prompt_len = len(req.prompt_token_ids)
+        ticket = self.quotas.admit(req.tenant, prompt_len)
         choices = [TextAssembler(self.tokenizer, req.request_id, req.params, req.prompt_token_ids,
                                  req.client_request_id, i) for i in range(req.params.n)]
         inflight = self._inflight[req.request_id] = _Inflight(self._engine.generate(req.engine_request()))
@@ -291,6 +295,7 @@ class Frontend:
                     inflight.stream.abort(choice.index)
                 yield delta
         finally:
+            ticket.finish(sum(len(c.token_ids) for c in choices))
             self._inflight.pop(req.request_id, None)
             if not engine_done:  # client gone, stop string, deadline or error: free the slot now
                 await inflight.stream.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -26,7 +27,8 @@ class AsciiJSONResponse(JSONResponse):
 def error_response(exc: BaseException, body: Callable[[ServingError], dict] = ServingError.openai_body) -> JSONResponse:
     """``exc`` as its status code and ``body`` (OpenAI's error shape by default)."""
     err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
-    headers = {"retry-after": "1"} if err.http_status in (429, 503) else None
+    wait = getattr(err, "retry_after_s", 1)
+    headers = {"retry-after": str(math.ceil(wait))} if err.http_status in (429, 503) else None
     return AsciiJSONResponse(body(err), status_code=err.http_status, headers=headers)
 
 

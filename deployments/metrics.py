@@ -50,6 +50,8 @@ class MetricDef:
     """Recorded only by replicas that run on a GPU NVML can see (deployments.nvml)."""
     lora_only: bool = False
     """Recorded only by replicas that serve LoRA adapters (engine option ``lora``)."""
+    tenant_only: bool = False
+    """Recorded only by ingresses of an app with ``tenants`` (deployments.quotas)."""
 
 
 METRICS: dict[str, MetricDef] = {
@@ -110,17 +112,25 @@ METRICS: dict[str, MetricDef] = {
                                      tags=("dtype", "quantization")),
     "requests_rejected": MetricDef("counter", "Generation requests answered with an error, by reason.",
                                    tags=("reason",)),
+    # ingress of an app with tenants (deployments.quotas)
+    "tenant_requests": MetricDef("counter", "Requests of each tenant: admitted, or refused by its limits "
+                                 "(outcome: admitted, concurrency, tokens).", tags=("tenant", "outcome"),
+                                 tenant_only=True),
+    "tenant_tokens": MetricDef("counter", "Prompt and output tokens of each tenant's requests (kind: prompt, "
+                               "output).", tags=("tenant", "kind"), tenant_only=True),
+    "tenant_requests_in_flight": MetricDef("gauge", "Requests of each tenant in flight at the ingress.",
+                                           tags=("tenant",), tenant_only=True),
 }
 # Recorded in router/ (which must not import deployments/): listed here for the catalogue.
 OTHER_METRICS: dict[str, str] = {ROUTING_DECISIONS_METRIC: "counter", **AUTOSCALER_METRICS}  # full name -> kind
 
 
-def exported_names(gpu: bool = True, lora: bool = True) -> set[str]:
+def exported_names(gpu: bool = True, lora: bool = True, tenants: bool = True) -> set[str]:
     """Every series name a Prometheus scrape shows for our metrics (counters' ``_total``,
     histograms' ``_bucket`` / ``_sum`` / ``_count``); ``gpu=False``: those of a CPU-only app;
-    ``lora=False``: of an app without LoRA adapters."""
+    ``lora=False``: of an app without LoRA adapters; ``tenants=False``: of an app without tenants."""
     kinds = {PREFIX + name: d.kind for name, d in METRICS.items()
-             if (gpu or not d.gpu_only) and (lora or not d.lora_only)} | OTHER_METRICS
+             if (gpu or not d.gpu_only) and (lora or not d.lora_only) and (tenants or not d.tenant_only)} | OTHER_METRICS
     names = set()
     for full, kind in kinds.items():
         base = EXPORT_PREFIX + full
@@ -333,7 +343,8 @@ class RequestMetrics:
 
 # -------------------------------------------------------------------- ingress
 
-REJECTION_REASONS = ("invalid", "unauthenticated", "overloaded", "unavailable", "deadline", "internal")
+REJECTION_REASONS = ("invalid", "unauthenticated", "overloaded", "tenant_limit", "unavailable", "deadline",
+                     "internal")
 """Every ``ServingError.metric_reason`` (tests/test_metrics.py keeps the two in step)."""
 
 

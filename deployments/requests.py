@@ -130,6 +130,8 @@ class PreparedRequest:
     """Its directory, when it was loaded at run time (a replica lacking it loads it from there)."""
     cache_salt: str | None = None
     """Cached prefix blocks are shared only between requests of the same salt (``salted_root``)."""
+    tenant: str | None = None
+    """Whose request it is (``deployments.tenants``): its limits apply (``deployments.quotas``)."""
 
     def engine_request(self, resume_token_ids: Sequence[int] = (), attempt: int = 0,
                        resume_choices: Mapping[int, Sequence[int]] | None = None) -> dict:

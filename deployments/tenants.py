@@ -1,8 +1,9 @@
 """Tenants: who sends a request, told by its API key at the ingress (app config ``tenants``).
 
-A tenant has its own keys, its own range of ``priority`` values, and its own prefix cache: its
-requests' block hashes are salted with its name, so no tenant's ``cached_tokens`` reveal anything of
-another's prompts unless it is configured to share (``share_cache``). Keys of the flat ``api_keys`` /
+A tenant has its own keys, its own range of ``priority`` values, its own limits (requests in flight,
+tokens per minute: ``deployments.quotas``), and its own prefix cache: its requests' block hashes are
+salted with its name, so no tenant's ``cached_tokens`` reveal anything of another's prompts unless it
+is configured to share (``share_cache``). Keys of the flat ``api_keys`` /
 ``api_keys_file`` list keep working as requests of no tenant, under the app's own limits.
 """
 
@@ -48,6 +49,10 @@ class TenantConfig(BaseModel):
     allowed_priority: PriorityRange = (0, 0)
     share_cache: Bool = False
     """True: its prompts share cached blocks with every request of no tenant or another sharing one."""
+    max_concurrent_requests: Int | None = Field(None, ge=1)
+    """Requests in flight at once, over the whole deployment (``deployments.quotas``); None: no limit."""
+    max_tokens_per_minute: Int | None = Field(None, ge=1)
+    """Prompt and output tokens a minute, over the whole deployment; None: no limit."""
 
 
 def check_unique(tenants: Iterable[TenantConfig], flat_keys: Iterable[str]) -> None:
@@ -68,10 +73,13 @@ class Tenant:
     api_keys: tuple[str, ...] = field(repr=False)
     allowed_priority: tuple[int, int] = (0, 0)
     share_cache: bool = False
+    max_concurrent_requests: int | None = None
+    max_tokens_per_minute: int | None = None
 
     @classmethod
     def of(cls, config: TenantConfig) -> "Tenant":
-        return cls(config.name, config.api_keys, config.allowed_priority, config.share_cache)
+        return cls(config.name, config.api_keys, config.allowed_priority, config.share_cache,
+                   config.max_concurrent_requests, config.max_tokens_per_minute)
 
     def cache_salt(self, client_salt: str | None) -> str | None:
         """The salt its requests' blocks are hashed under: its own (and the client's, within it)."""

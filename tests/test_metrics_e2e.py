@@ -163,7 +163,7 @@ def test_metrics_reach_prometheus(cluster):
                 "overloaded": seen["RESOURCE_EXHAUSTED"]}
     assert expected["deadline"] == 1 and expected["overloaded"] >= 1, seen
     # No GPU here (the GPU gauges are tests/test_nvml.py's) and no LoRA (test_metrics.py records those).
-    wanted = exported_names(gpu=False, lora=False)
+    wanted = exported_names(gpu=False, lora=False, tenants=False)  # tenants: tests/test_quotas.py
 
     def all_there():
         s = Scrape(port)
