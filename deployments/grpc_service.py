@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from pydantic import ValidationError
 
+from deployments.embeddings import embed
 from deployments.errors import BadRequest, ServingError, to_serving_error
 from deployments.frontend import Frontend
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
@@ -247,6 +248,21 @@ class SlotServeGrpcMixin:
             info = await self.frontend.engine_info()
             return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=info["max_model_len"])
         except Exception as exc:
+            fail(grpc_context, exc)
+
+    async def Embed(self, request, grpc_context=None) -> pb.EmbedResponse:
+        try:
+            tenant = self.frontend.authorize(metadata(grpc_context, "authorization"))
+            msg = parse(pb.EmbedRequest, request)
+            which = msg.WhichOneof("input")
+            if which is None:
+                raise BadRequest("give text or token_ids to embed", param="text")
+            value = msg.text if which == "text" else list(msg.token_ids.ids)
+            (vector,), tokens = await embed(self.frontend, [value], msg.model or None, tenant,
+                                            request_id=msg.request_id or None)
+            return pb.EmbedResponse(embedding=vector, prompt_tokens=tokens)
+        except Exception as exc:
+            self.frontend.metrics.rejected(exc)
             fail(grpc_context, exc)
 
     async def GetModelInfo(self, request, grpc_context=None) -> pb.ModelInfo:

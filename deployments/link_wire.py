@@ -155,6 +155,7 @@ class StreamMessage(msgspec.Struct):
     index: int = 0
     choices_running: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None
 
 
 class WireError(msgspec.Struct, array_like=True):
@@ -203,7 +204,7 @@ def as_item(output: Output) -> tuple:
     message = None
     if output.message is not None:
         message = msgspec.structs.asdict(output.message)
-        for key in ("audit", "prompt_logprobs"):
+        for key in ("audit", "prompt_logprobs", "embedding"):
             if message[key] is None:
                 del message[key]
     return output.wire_id, message, None if output.error is None else rebuild_error(output.error)

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with
 ``stream: true``), the Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id};
-``deployments.responses_api``), GET /v1/models, GET /v1/models/{id}, vLLM's POST /v1/load_lora_adapter and
+``deployments.responses_api``), POST /v1/embeddings (``deployments.embeddings``), GET /v1/models, GET /v1/models/{id}, vLLM's POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter, Anthropic's POST /v1/messages and /v1/messages/count_tokens
 (``deployments.anthropic_api``), plus GET /health (an engine is ready) and GET /load (per-replica load).
 A request with the header ``x-slotserve-audit: true``
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.anthropic_api import add_anthropic_routes, is_anthropic_path
+from deployments.embeddings import add_embeddings_routes
 from deployments.errors import BadRequest, ModelNotFound, ServingError, to_serving_error
 from deployments.frontend import Frontend
 from deployments.http_common import error_response, first_delta, id_headers, ingress_span, read_json
@@ -226,6 +227,7 @@ def build_openai_app(frontend: Frontend, max_body_bytes: int = DEFAULT_MAX_BODY_
     app.add_api_route("/v1/unload_lora_adapter", routes.manage_lora, methods=["POST"])
     add_anthropic_routes(app, frontend, max_body_bytes)
     add_responses_routes(app, frontend, max_body_bytes)
+    add_embeddings_routes(app, frontend, max_body_bytes)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/load", routes.load, methods=["GET"])
     install_openapi(app, tuple(dict.fromkeys((frontend.config.served_model_name, frontend.config.model,

@@ -38,6 +38,7 @@ from deployments.nvml import GpuMonitor
 from deployments.tracing import Tracing
 from engine.errors import EngineDeadError, UnknownAdapterError
 from engine.outputs import StreamOutput, audit_records
+from engine.pooling import pooling_of
 
 logger = logging.getLogger(__name__)
 serve_log = logging.getLogger("ray.serve")
@@ -60,6 +61,8 @@ def stream_message(out: StreamOutput) -> dict:
         message["audit"] = audit_records(out.timing)
     if out.prompt_logprobs is not None:
         message["prompt_logprobs"] = out.prompt_logprobs
+    if out.embedding is not None:
+        message["embedding"] = out.embedding
     return message
 
 
@@ -224,6 +227,7 @@ class EngineReplica:
                 "max_model_len": self._engine.max_model_len, "vocab_size": self._engine.vocab_size,
                 "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
                 "quantization": config.model.quantization or "none",
+                "pooling": pooling_of(self._engine.model_path), "hidden_size": self._engine.hidden_size,
                 "replica_id": self.replica_id}
 
     def healthy(self) -> bool:

@@ -63,6 +63,8 @@ class TextDelta:
     choice's delta: the engine starts the siblings after it)."""
     stop_string: str | None = None
     """On a choice's last delta: the stop string that ended it (vLLM's ``stop_reason``), if one did."""
+    embedding: list[float] | None = None
+    """A pooling request's one delta: the prompt's embedding (``engine.pooling``)."""
 
 
 class TextAssembler:
@@ -105,7 +107,8 @@ class TextAssembler:
         scored = message.get("prompt_logprobs")
         prompt = None if scored is None else self._prompt_logprobs(scored)
         return TextDelta(self._request_id, text, tuple(ids), logprobs, finish, None, self._client_request_id, audit,
-                         self.index, prompt_logprobs=prompt, stop_string=self._text.stop_string if finish else None)
+                         self.index, prompt_logprobs=prompt, stop_string=self._text.stop_string if finish else None,
+                         embedding=message.get("embedding"))
 
     def abort(self) -> TextDelta:
         """The last delta of a choice that ended without the engine saying so."""

@@ -135,6 +135,11 @@ class AsyncEngine:
     def model_path(self):
         return self.engine.model_path
 
+    @property
+    def hidden_size(self) -> int:
+        """Dimensions of the model's embeddings (``SamplingParams.pooling``)."""
+        return self.engine.arch.hidden_size
+
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,

@@ -27,6 +27,7 @@ from engine.lora import LoRAManager
 from engine.lora.engine_api import EngineAdapters
 from engine.model import ModelArch
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, StreamOutput
+from engine.pooling import embedding
 from engine.request import Request, RequestStatus
 from engine.request_checks import RequestChecks
 from engine.runner import ModelRunner
@@ -254,7 +255,7 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
             now = time.monotonic()
             for req, tok, lp in zip(reqs, tokens, logprobs):
                 outputs.append(self._append_token(req, tok, lp, now))
-            generated = len(tokens)
+            generated = sum(req.params.pooling is None for req in reqs)  # an embedding keeps no token
         self._stats.num_steps += 1
         self._stats.num_generated_tokens += generated
         self.step_tokens.append(sched.num_batched_tokens)
@@ -264,6 +265,12 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         return outputs
 
     def _append_token(self, req: Request, tok: int, lp: dict | None, now: float) -> StreamOutput:
+        if req.params.pooling is not None:  # its prompt has run: it ends with its embedding, no token
+            req.timing.first_token_time = now
+            self.finish(req, FINISH_STOP, now)
+            out = self._output(req, [], None)
+            out.embedding = embedding(req)
+            return out
         token_ids = req.token_ids
         token_ids.append(tok)
         first = req.timing.first_token_time is None

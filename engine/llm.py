@@ -11,6 +11,7 @@ from engine.detokenizer import TextStream
 from engine.engine import LLMEngine
 from engine.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError
 from engine.outputs import FINISH_STOP, CompletionOutput, RequestOutput
+from engine.pooling import pooling_of
 from engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,12 @@ class LLM:
         return [_result(rid, text, ids, choices)  # in prompt order
                 for (rid, choices), (text, ids) in zip(trackers.items(), encoded)]
 
+    def embed(self, prompts: Any, pooling: str | None = None, use_tqdm: bool = False) -> list[list[float]]:
+        """Each prompt's embedding (``engine.pooling``), L2-normalised, in prompt order; ``pooling``:
+        ``last`` or ``mean`` (default: as the model directory declares, ``pooling_of``)."""
+        params = SamplingParams(pooling=pooling or pooling_of(self.engine.model_path), max_tokens=1)
+        return [out.embedding for out in self.generate(prompts, params, use_tqdm)]
+
     def _run(self, todo: collections.deque, trackers: dict[str, list["_TextTracker"]], use_tqdm: bool) -> None:
         """Step until all is done, adding requests as the engine's bounded queue has room.
 
@@ -127,7 +134,7 @@ def _result(rid: str, prompt: str | None, prompt_ids: list[int], choices: list["
     last = max(choices, key=lambda c: (c.timing and c.timing.finished_time) or 0.0)  # the request's end
     outputs = [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in choices]
     return RequestOutput(rid, prompt, prompt_ids, outputs, True, choices[0].num_cached, last.timing,
-                         choices[0].prompt_logprobs)
+                         choices[0].prompt_logprobs, choices[0].embedding)
 
 
 class _TextTracker:
@@ -143,6 +150,7 @@ class _TextTracker:
         self.timing = None
         self.num_cached = 0
         self.prompt_logprobs = None
+        self.embedding = None
         self.stream = TextStream.for_params(tokenizer, params) if tokenizer is not None else None
 
     def push(self, out) -> bool:
@@ -161,6 +169,7 @@ class _TextTracker:
         self.timing, self.num_cached = out.timing, out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        self.embedding = out.embedding if out.embedding is not None else self.embedding
         stopped = self.stream is not None and self.stream.stopped
         if stopped:
             self.finish_reason, self.done = FINISH_STOP, True

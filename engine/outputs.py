@@ -80,6 +80,8 @@ class StreamOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """On choice 0's first output, when asked: per prompt token, {token id: logprob} of it and its
     alternatives (None for the first token, which nothing predicts)."""
+    embedding: list[float] | None = None
+    """A pooling request's (``SamplingParams.pooling``) only output: its prompt's embedding."""
 
     @property
     def request_finished(self) -> bool:
@@ -106,6 +108,8 @@ class RequestOutput:
     timing: RequestTiming | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With ``SamplingParams.prompt_logprobs``: per prompt token (None for the first)."""
+    embedding: list[float] | None = None
+    """With ``SamplingParams.pooling``: the prompt's embedding (``LLM.embed``)."""
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ class Request:
         "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
         "max_total_tokens", "seed", "eos_token_ids", "matcher", "index", "held", "prompt_logprobs",
-        "lora_name", "lora_slot", "root_hash", "sampling_row", "spec",
+        "lora_name", "lora_slot", "root_hash", "sampling_row", "spec", "pooled",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -72,6 +72,8 @@ class Request:
         """What engine.sampler reads of ``params`` for a batch, cached there on first use."""
         self.spec = None
         """Speculative decoding's state for it (engine.spec_decode), made on its first decode step."""
+        self.pooled = None
+        """With ``params.pooling``: its prompt's hidden states pooled so far (engine.pooling)."""
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -92,6 +94,11 @@ class Request:
     @property
     def needs_prompt_logprobs(self) -> bool:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def reads_whole_prompt(self) -> bool:
+        """Every prompt position's logits or state is needed: nothing may come from the prefix cache."""
+        return self.needs_prompt_logprobs or self.params.pooling == "mean"
 
     @property
     def finished(self) -> bool:

@@ -35,6 +35,7 @@ from engine.parallel import ParallelGroup
 from engine.sampler import PROMPT_ROWS_AT_ONCE, Sampler, SamplingBatch, prompt_logprobs
 from engine.scheduler import MAX_SCORED_TOKENS, ScheduledChunk
 from engine.spec_verify import draft_rows
+from engine.pooling import accumulate
 from engine.warm_up import warm_up_steps
 
 logger = logging.getLogger(__name__)
@@ -259,13 +260,20 @@ class ModelRunner:
         if any(c.request.prompt_logprobs is not None for c in chunks):  # (a cheap test: most steps have none)
             scored = [(c.request, c.prompt_logprob_positions) for c in order_chunks(chunks)[0]
                       if c.prompt_logprob_positions]
-        key = self.graphs.key_for(chunks) if self.graphs is not None and not scored else None
+        pooling = any(c.request.params.pooling is not None for c in chunks)
+        key = self.graphs.key_for(chunks) if self.graphs is not None and not scored and not pooling else None
         offsets = None
         if key is None:
             sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks, drafts)
             reqs, offsets = draft_rows(sampling) if drafts else ([c.request for c in sampling], None)
             t1 = time.perf_counter()
-            logits = self._forward(input_ids, positions, meta, logits_idx)
+            if pooling:  # the modules themselves: the compiled decoder returns logits only
+                self.backend.plan(meta)
+                hidden = self.model.hidden_states(input_ids, positions, self.kv_caches, meta)
+                accumulate(order_chunks(chunks)[0], hidden, self.model.norm)
+                logits = self.model.logits(hidden, logits_idx)
+            else:
+                logits = self._forward(input_ids, positions, meta, logits_idx)
         else:
             rows = [i for i, c in enumerate(chunks) if c.samples]
             reqs = [chunks[i].request for i in rows]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -63,6 +63,9 @@ class SamplingParams:
     token, 100 all but forces it). The engine checks the ids against the model's vocabulary."""
     structured_outputs: StructuredOutputs | None = None
     """Hold the output to a JSON schema, a regex, a choice or a grammar (``engine.structured``)."""
+    pooling: Literal["last", "mean"] | None = None
+    """An embedding of the prompt instead of text (``engine.pooling``): the request ends when its
+    prompt has run, with no output token."""
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -84,6 +87,16 @@ class SamplingParams:
             return tuple(value)
         what = "a string or a list of strings" if info.field_name == "stop" else "a list of token ids"
         raise ValueError(f"must be {what}")
+
+    @field_validator("pooling")
+    @classmethod
+    def _prompt_only(cls, pooling: str | None, info: ValidationInfo) -> str | None:
+        data = info.data
+        if pooling is not None and (data.get("n", 1) != 1 or data.get("logprobs") is not None
+                                    or data.get("prompt_logprobs") is not None
+                                    or data.get("structured_outputs") is not None):
+            raise ValueError("makes an embedding: it takes no n, logprobs, prompt_logprobs or structured_outputs")
+        return pooling
 
     @field_validator("min_tokens")
     @classmethod

@@ -257,8 +257,8 @@ class Scheduler:
             req = self._next_candidate()
             if req is None:
                 break
-            # Prompt logprobs need the logits of every prompt position: nothing comes from the cache.
-            cached, hashes = (([], []) if req.needs_prompt_logprobs
+            # Prompt logprobs (or a mean embedding) need every prompt position: nothing comes from the cache.
+            cached, hashes = (([], []) if req.reads_whole_prompt
                               else self.blocks.match_prefix(req.token_ids, req.root_hash))
             num_cached = len(cached) * self.blocks.block_size
             n = req.num_tokens - num_cached

@@ -31,7 +31,7 @@ def real_replica(model_dir):
                                           "max_num_seqs": 4}, drain_timeout_s=5)
 
 
-def real_frontend(replica, model_dir, tokenizer, **config):
+def frontend_over(replica, model_dir, tokenizer, **config):
     """A frontend over ``replica``, serving it as "tiny"; ``config``: other FrontendConfig fields."""
     return Frontend(FrontendConfig(served_model_name="tiny", model=str(model_dir), **config), tokenizer,
                     LocalEngineClient([replica]))

@@ -11,7 +11,7 @@ import pytest
 
 from deployments.anthropic_protocol import parse_messages_body
 from deployments.errors import BadRequest
-from tests.serving_helpers import real_frontend, real_replica, run
+from tests.serving_helpers import frontend_over, real_replica, run
 
 import anthropic
 
@@ -29,7 +29,7 @@ def replica(tiny_model_dir):
 
 
 def _frontend(replica, tiny_model_dir, tokenizer, api_keys=()):
-    return real_frontend(replica, tiny_model_dir, tokenizer, api_keys=tuple(api_keys))
+    return frontend_over(replica, tiny_model_dir, tokenizer, api_keys=tuple(api_keys))
 
 
 def _client(frontend, api_key="none"):

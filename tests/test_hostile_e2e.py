@@ -237,6 +237,7 @@ def _grpc_calls(service):
             "Abort": lambda md: s.Abort(pb.AbortRequest(request_id="x"), timeout=30, metadata=md),
             "Tokenize": lambda md: s.Tokenize(pb.TokenizeRequest(text="hi"), timeout=30, metadata=md),
             "GetModelInfo": lambda md: s.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=md),
+            "Embed": lambda md: s.Embed(pb.EmbedRequest(text="hi"), timeout=30, metadata=md),
             "GetLoad": lambda md: s.GetLoad(pb.GetLoadRequest(), timeout=30, metadata=md),
             "Generate-garbage": lambda md: list(service.raw_call("Generate", True)(b"\xff", timeout=30,
                                                                                    metadata=md))}
@@ -244,6 +245,9 @@ def _grpc_calls(service):
 
 ROUTES = [("POST", COMPLETIONS, {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
           ("POST", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+          ("POST", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2, "store": False}),
+          ("POST", "/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+          ("POST", "/v1/embeddings", {"model": "tiny", "input": "hi"}),
           ("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None), ("GET", "/load", None)]
 BAD_AUTH = {"none": None, "wrong-key": "Bearer key-wrong-00000000", "scheme-only": "Bearer",
             "other-scheme": f"Basic {KEYS[0]}", "key-prefix": f"Bearer {KEYS[0][:-1]}"}
@@ -263,7 +267,9 @@ def test_every_rpc_and_route_refuses_a_missing_or_bad_key(service, auth):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in info.value.details(), name
     for method, path, body in ROUTES:
         r = _http_call(service, method, path, body, BAD_AUTH[auth])
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        error = r.json()["error"]  # OpenAI's shape, or Anthropic's on /v1/messages
+        kind = error["type"] if path == "/v1/messages" else error["code"]
+        assert r.status_code == 401 and kind in ("invalid_api_key", "authentication_error"), (path, r.text)
 
 
 def _accepted(service, key: str) -> bool:

@@ -14,7 +14,7 @@ from deployments.errors import TenantLimitExceeded
 from deployments.quotas import TenantQuotas
 from deployments.requests import GenerateInput
 from deployments.tenants import Tenant
-from tests.serving_helpers import real_frontend, real_replica, run
+from tests.serving_helpers import frontend_over, real_replica, run
 from tests.test_metrics import FakeRecorder
 from tests.test_serving_frontend import _clients
 
@@ -81,7 +81,7 @@ def replica(tiny_model_dir):
 def test_the_ingress_refuses_a_tenant_over_its_limits_and_serves_the_others(replica, tiny_model_dir, tokenizer):
     tenants = (Tenant("capped", ("key-capped",), max_concurrent_requests=1, max_tokens_per_minute=60),
                Tenant("free", ("key-free-1",)))
-    fe = real_frontend(replica, tiny_model_dir, tokenizer, tenants=tenants)
+    fe = frontend_over(replica, tiny_model_dir, tokenizer, tenants=tenants)
 
     async def main():
         from deployments.openai_api import build_openai_app

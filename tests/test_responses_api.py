@@ -14,7 +14,7 @@ from deployments.errors import BadRequest
 from deployments.responses_protocol import parse_responses_body, responses_input
 from deployments.responses_store import ResponseNotFound, ResponseStore
 from deployments.tenants import Tenant
-from tests.serving_helpers import real_frontend, real_replica, run
+from tests.serving_helpers import frontend_over, real_replica, run
 from tests.test_serving_frontend import _clients
 from tests.test_tool_calls import WEATHER
 
@@ -28,7 +28,7 @@ def replica(tiny_model_dir):
 
 
 def _frontend(replica, tiny_model_dir, tokenizer, tenants=()):
-    return real_frontend(replica, tiny_model_dir, tokenizer, tenants=tuple(tenants))
+    return frontend_over(replica, tiny_model_dir, tokenizer, tenants=tuple(tenants))
 
 
 def _app(frontend):

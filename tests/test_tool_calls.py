@@ -11,7 +11,7 @@ import pytest
 from deployments.errors import BadRequest
 from deployments.openai_protocol import parse_chat_body
 from deployments.tools import ToolStream, parse_tool_calls
-from tests.serving_helpers import real_frontend, real_replica, run
+from tests.serving_helpers import frontend_over, real_replica, run
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object", "additionalProperties": False,
@@ -90,7 +90,7 @@ def replica(tiny_model_dir):
 
 
 def _frontend(replica, tiny_model_dir, tokenizer, parser: str = "hermes"):
-    return real_frontend(replica, tiny_model_dir, tokenizer, tool_call_parser=parser)
+    return frontend_over(replica, tiny_model_dir, tokenizer, tool_call_parser=parser)
 
 
 @pytest.fixture(scope="module")

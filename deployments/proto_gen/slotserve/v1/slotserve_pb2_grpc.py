@@ -49,6 +49,11 @@ class SlotServeStub:
                 request_serializer=slotserve_dot_v1_dot_slotserve__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=slotserve_dot_v1_dot_slotserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/slotserve.v1.SlotServe/Embed',
+                request_serializer=slotserve_dot_v1_dot_slotserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=slotserve_dot_v1_dot_slotserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/slotserve.v1.SlotServe/GetModelInfo',
                 request_serializer=slotserve_dot_v1_dot_slotserve__pb2.GetModelInfoRequest.SerializeToString,
@@ -85,6 +90,14 @@ class SlotServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """The embedding of one text or token list: the prompt's final hidden states, pooled as the
+        model directory says (last token or mean) and L2-normalised. Routed and batched like Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,6 +128,11 @@ def add_SlotServeServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=slotserve_dot_v1_dot_slotserve__pb2.TokenizeRequest.FromString,
                     response_serializer=slotserve_dot_v1_dot_slotserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=slotserve_dot_v1_dot_slotserve__pb2.EmbedRequest.FromString,
+                    response_serializer=slotserve_dot_v1_dot_slotserve__pb2.EmbedResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -208,6 +226,33 @@ class SlotServe:
             '/slotserve.v1.SlotServe/Tokenize',
             slotserve_dot_v1_dot_slotserve__pb2.TokenizeRequest.SerializeToString,
             slotserve_dot_v1_dot_slotserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/slotserve.v1.SlotServe/Embed',
+            slotserve_dot_v1_dot_slotserve__pb2.EmbedRequest.SerializeToString,
+            slotserve_dot_v1_dot_slotserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
