@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from dataclasses import dataclass, field
 from typing import Annotated, Iterable
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from deployments.admission import ApiKeys as KeyList
 from deployments.errors import BadRequest
 from deployments.requests import PRIORITY_RANGE
 from engine.validation import Bool, Int, Str
+
+logger = logging.getLogger(__name__)
+
 
 def check_bounds(bounds: tuple[int, int]) -> tuple[int, int]:
     if bounds[0] > bounds[1]:
@@ -45,7 +50,10 @@ class TenantConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    api_keys: ApiKeys = Field(min_length=1, repr=False)
+    api_keys: ApiKeys = Field((), repr=False)
+    api_keys_file: Str | None = Field(None, min_length=1)
+    """One key per line (``#`` comments), re-read when it changes, as the app's ``api_keys_file``: a
+    mounted Kubernetes Secret rotates without a restart. At least one of the two is given."""
     allowed_priority: PriorityRange = (0, 0)
     share_cache: Bool = False
     """True: its prompts share cached blocks with every request of no tenant or another sharing one."""
@@ -53,6 +61,12 @@ class TenantConfig(BaseModel):
     """Requests in flight at once, over the whole deployment (``deployments.quotas``); None: no limit."""
     max_tokens_per_minute: Int | None = Field(None, ge=1)
     """Prompt and output tokens a minute, over the whole deployment; None: no limit."""
+
+    @model_validator(mode="after")
+    def _has_keys(self) -> "TenantConfig":
+        if not self.api_keys and self.api_keys_file is None:
+            raise ValueError(f"tenant {self.name!r} needs api_keys or an api_keys_file")
+        return self
 
 
 def check_unique(tenants: Iterable[TenantConfig], flat_keys: Iterable[str]) -> None:
@@ -75,11 +89,17 @@ class Tenant:
     share_cache: bool = False
     max_concurrent_requests: int | None = None
     max_tokens_per_minute: int | None = None
+    api_keys_file: str | None = None
+    keys: KeyList = field(init=False, repr=False, compare=False)
+    """``api_keys`` and those of ``api_keys_file``, as they are now."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", KeyList(self.api_keys, self.api_keys_file))
 
     @classmethod
     def of(cls, config: TenantConfig) -> "Tenant":
         return cls(config.name, config.api_keys, config.allowed_priority, config.share_cache,
-                   config.max_concurrent_requests, config.max_tokens_per_minute)
+                   config.max_concurrent_requests, config.max_tokens_per_minute, config.api_keys_file)
 
     def cache_salt(self, client_salt: str | None) -> str | None:
         """The salt its requests' blocks are hashed under: its own (and the client's, within it)."""
@@ -89,13 +109,18 @@ class Tenant:
 
 
 def tenant_of(key: str, tenants: tuple[Tenant, ...]) -> Tenant | None:
-    """The tenant holding ``key``; every key is compared, so the time taken says nothing of which."""
-    found = None
+    """The tenant holding ``key``; every key is compared, so the time taken says nothing of which.
+    A key two tenants' files hold names neither: which one it is would be a guess."""
+    found = []
     for tenant in tenants:
-        for candidate in tenant.api_keys:
+        for candidate in tenant.keys.current():
             if hmac.compare_digest(key.encode(), candidate.encode()):
-                found = tenant
-    return found
+                found.append(tenant)
+    if len({t.name for t in found}) > 1:
+        logger.error("an API key is held by tenants %s: refused until one of their files drops it",
+                     ", ".join(sorted({t.name for t in found})))
+        return None
+    return found[0] if found else None
 
 
 def check_priority(priority: int, tenant: Tenant | None, app_allowed: tuple[int, int]) -> None:

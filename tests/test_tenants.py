@@ -76,3 +76,28 @@ def test_bad_tenants_are_refused_by_name(tenants, message):
     with pytest.raises(ValueError, match=message) as info:
         AppConfig.from_args({"api_keys": [FLAT_KEY], "tenants": tenants})
     assert "key-team" not in str(info.value) and FLAT_KEY not in str(info.value)
+
+
+def test_a_tenants_keys_come_from_a_file_that_rotates_without_restart(tokenizer, tmp_path, monkeypatch):
+    from deployments.admission import ApiKeys
+
+    monkeypatch.setattr(ApiKeys, "CHECK_PERIOD_S", 0.0)  # re-read at every request
+    a_keys, b_keys = tmp_path / "a", tmp_path / "b"
+    a_keys.write_text("# team a\nkey-file-a-1\n")
+    b_keys.write_text("key-file-b-1\n")
+    cfg = frontend_config(AppConfig.from_args({"tenants": [{"name": "a", "api_keys_file": str(a_keys)},
+                                                           {"name": "b", "api_keys_file": str(b_keys),
+                                                            "api_keys": ["key-inline-b"]}]}))
+    fe, _ = make_frontend(tokenizer)
+    fe.config = dataclasses.replace(fe.config, tenants=cfg.tenants)
+    assert [fe.authorize(f"Bearer {k}").name for k in ("key-file-a-1", "key-file-b-1", "key-inline-b")] == \
+        ["a", "b", "b"]
+    a_keys.write_text("key-file-a-2-rotated\n")  # a Secret renewed in place
+    assert fe.authorize("Bearer key-file-a-2-rotated").name == "a"
+    with pytest.raises(Unauthenticated):
+        fe.authorize("Bearer key-file-a-1")
+    b_keys.write_text("key-file-b-1\nkey-file-a-2-rotated\n")  # one key, two tenants: neither
+    with pytest.raises(Unauthenticated):
+        fe.authorize("Bearer key-file-a-2-rotated")
+    with pytest.raises(ValueError, match="needs api_keys or an api_keys_file"):
+        AppConfig.from_args({"tenants": [{"name": "c"}]})
