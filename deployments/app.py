@@ -29,7 +29,7 @@ from deployments.link import LINK_TOKEN_ENV, LinkTls, new_token
 from deployments.replica import ServeEngineReplica
 from deployments.tenants import ApiKeys, PriorityRange, Tenant, TenantConfig, check_unique
 from deployments.tp_launcher import NOSET_VISIBLE_DEVICES
-from router.autoscale import autoscaling_config
+from router.autoscale import DOWNSCALE_DELAY_S, UPSCALE_DELAY_S, autoscaling_config
 from router.request_router import request_router_config
 
 DEFAULT_MODEL = "smollm2-135m"  # engine.models_hub's built-in name, converted from the bundled GGUF
@@ -45,8 +45,8 @@ class AutoscalingKnobs(BaseModel):
     max_replicas: Int = Field(1, ge=1)
     initial_replicas: Int | None = None
     target_occupancy: Float = Field(0.75, gt=0, le=1)
-    upscale_delay_s: Float = Field(30.0, ge=0)
-    downscale_delay_s: Float = Field(600.0, ge=0)
+    upscale_delay_s: Float = Field(UPSCALE_DELAY_S, ge=0)
+    downscale_delay_s: Float = Field(DOWNSCALE_DELAY_S, ge=0)
     metrics_interval_s: Float = Field(1.0, gt=0)
     look_back_period_s: Float = 5.0
 

@@ -37,6 +37,7 @@ from deployments.metrics import EngineMetrics, Recorder, recorder_for
 from deployments.nvml import GpuMonitor
 from deployments.tracing import Tracing
 from engine.errors import EngineDeadError, UnknownAdapterError
+from engine.kv.hashing import PREFIX_DIGEST_ENTRIES
 from engine.outputs import StreamOutput, audit_records
 from engine.pooling import pooling_of
 
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 serve_log = logging.getLogger("ray.serve")
 """The replica's Serve log: the drain's steps stand beside Serve's own ("Drained ongoing requests")."""
 
-PREFIX_DIGEST_ENTRIES = 4096
 ABORT_GRACE_S = 2.0  # after the drain timeout: time for aborted streams to end before the engine stops
 METRICS_PERIOD_S = 1.0  # gauges from the stats snapshot; Ray exports every metrics_report_interval_ms
 _local_ids = itertools.count()

@@ -18,13 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, 
 
 from deployments.errors import BadRequest
 from engine.errors import InvalidRequestError
+from engine.engine import MAX_REQUEST_ID_CHARS
 from engine.kv.hashing import MAX_CACHE_SALT_CHARS
 from engine.sampling import SamplingParams
 from engine.structured import check as check_grammar
 from engine.tokenizer import ChatMessage
 from engine.validation import FieldError, Float, Int, Str, Text, field_errors, union_tag, validated
 
-MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 1024
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Mapping, Sequence
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from engine.kv.hashing import ROOT_HASH, salted_root
+from engine.kv.hashing import PREFIX_DIGEST_ENTRIES, ROOT_HASH, salted_root
 from engine.outputs import EngineStats, StreamOutput
 from engine.sampling import SamplingParams
 
@@ -278,7 +278,7 @@ class AsyncEngine:
         now = time.monotonic()
         self._stats = self.engine.stats()
         if now - self._digest_time > DIGEST_REFRESH_S:
-            self._digest = self.engine.prefix_digest(4096)
+            self._digest = self.engine.prefix_digest(PREFIX_DIGEST_ENTRIES)
             self._digest_time = now
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, StreamOutput]]] = {}
         for out in outputs:
@@ -307,7 +307,7 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def prefix_digest(self, max_entries: int = 4096) -> list[int]:
+    def prefix_digest(self, max_entries: int = PREFIX_DIGEST_ENTRIES) -> list[int]:
         return self._digest[-max_entries:] if max_entries > 0 else []
 
     def drain_step_tokens(self) -> list[int]:

@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.cpu_features import describe_host
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.kv.block_manager import BlockManager
-from engine.kv.hashing import ROOT_HASH, salted_root
+from engine.kv.hashing import PREFIX_DIGEST_ENTRIES, ROOT_HASH, salted_root
 from engine.lora import LoRAManager
 from engine.lora.engine_api import EngineAdapters
 from engine.model import ModelArch
@@ -38,7 +38,8 @@ from engine.spec_verify import EngineSpeculation
 from engine.structured import GrammarBook
 
 logger = logging.getLogger(__name__)
-MAX_REQUEST_ID_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128
+"""A request id, the server's or a client's own (``deployments.requests``): logged and echoed, so bounded."""
 STEP_TOKENS_KEPT = 4096
 
 
@@ -356,6 +357,6 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         snap.step_time_s = dict(self._timings or {})
         return snap
 
-    def prefix_digest(self, max_entries: int = 4096) -> list[int]:
+    def prefix_digest(self, max_entries: int = PREFIX_DIGEST_ENTRIES) -> list[int]:
         """Routing keys (engine.kv.hashing.routing_key) of recently used cached blocks, newest last."""
         return self.block_manager.recent_routing_keys(max_entries)

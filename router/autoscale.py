@@ -49,6 +49,11 @@ def _integer(name: str, value: Any, lo: int) -> None:
         raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
 
 
+UPSCALE_DELAY_S = 30.0
+DOWNSCALE_DELAY_S = 600.0
+"""Ray Serve's own defaults, wherever a deployment says nothing (the app config, the policy's kwargs)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class AutoscaleConfig:
     min_replicas: int
@@ -57,8 +62,8 @@ class AutoscaleConfig:
     """Slot occupancy per replica the policy steers towards, in (0, 1]."""
     hysteresis: float = 0.1
     """Half-width of the band around the target inside which the count is kept."""
-    upscale_delay_s: float = 5.0
-    downscale_delay_s: float = 60.0
+    upscale_delay_s: float = UPSCALE_DELAY_S
+    downscale_delay_s: float = DOWNSCALE_DELAY_S
     scale_to_zero: bool = False
     """Allows ``min_replicas=0``; a request waiting at zero replicas then brings one up at once."""
     slots_per_replica: int = 32
@@ -293,8 +298,8 @@ def autoscaling_config(
     *,
     target_occupancy: float = 0.75,
     hysteresis: float = 0.1,
-    upscale_delay_s: float = 5.0,
-    downscale_delay_s: float = 60.0,
+    upscale_delay_s: float = UPSCALE_DELAY_S,
+    downscale_delay_s: float = DOWNSCALE_DELAY_S,
     scale_to_zero: bool = False,
     slots_per_replica: int = 32,
     metrics_interval_s: float = 0.5,

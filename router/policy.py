@@ -25,8 +25,9 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
+from engine.kv.hashing import PREFIX_DIGEST_ENTRIES
+
 DEFAULT_LOAD_SLACK = 0.25
-DEFAULT_DIGEST_ENTRIES = 512
 ROUTING_DECISIONS_METRIC = "slotserve_routing_decisions"
 """Counter recorded by ``router.request_router``, label ``reason``: one of ``ROUTING_REASONS``."""
 ROUTING_REASONS = ("prefix", "lora", "load", "fallback")
@@ -253,12 +254,12 @@ def _power_of_two(unknown: list[Hashable], rng: random.Random) -> list[list[Hash
     return [ids[:2], ids[2:]] if len(ids) > 2 else [ids]
 
 
-def make_prefix_digest(hashes: Iterable[int], max_entries: int = DEFAULT_DIGEST_ENTRIES) -> list[int]:
+def make_prefix_digest(hashes: Iterable[int], max_entries: int = PREFIX_DIGEST_ENTRIES) -> list[int]:
     """The ``prefix_hashes`` a replica publishes: the newest ``max_entries`` distinct hashes.
 
     ``hashes`` (``engine.kv.hashing.routing_key`` values) are ordered oldest to newest, as
     ``BlockManager.recent_routing_keys`` returns them. The digest travels in every
-    routing-stats broadcast, so keep it in the hundreds.
+    routing-stats broadcast: ``PREFIX_DIGEST_ENTRIES``, as the replicas publish.
     """
     if not _is_int(max_entries) or max_entries < 0:
         raise ValueError(f"max_entries must be an integer >= 0, got {max_entries!r}")

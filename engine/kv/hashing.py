@@ -37,6 +37,9 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 MAX_CACHE_SALT_CHARS = 256
+PREFIX_DIGEST_ENTRIES = 4096
+"""Routing keys a replica publishes of its newest cached blocks (``prefix_digest``), for the router
+to match prompts against: 4,096 keys (32 KiB) cover a replica's working set of shared prefixes."""
 
 
 def salted_root(root: bytes, cache_salt: str) -> bytes:
