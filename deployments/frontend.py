@@ -101,6 +101,8 @@ class Frontend:
         self.adapters = Adapters(config.lora_adapters, config.lora_load_dir, engine)
         self.metrics = IngressMetrics(recorder_for(config.served_model_name))  # rejections, counted by the protocols
         self.quotas = TenantQuotas(config.tenants, config.ingress_replicas, self.metrics.recorder)
+        for tenant in config.tenants:  # a missing or bad keys file fails the replica at start
+            tenant.keys.current()
         self.tracing = tracing if tracing is not None else Tracing.from_env()  # spans, started by the protocols
 
     # -- checks every protocol shares ------------------------------------------------
@@ -234,7 +236,7 @@ class Frontend:
                                operation="chat" if inp.messages is not None else "text_completion", lora=lora,
                                lora_path=lora_path,
                                cache_salt=tenant.cache_salt(inp.cache_salt) if tenant else inp.cache_salt,
-                               tenant=tenant.name if tenant else None)
+                               tenant=tenant.name if tenant else None, tenant_weight=tenant.weight if tenant else 1.0)
 
     # -- streaming -------------------------------------------------------------------
 

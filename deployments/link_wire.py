@@ -74,6 +74,9 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Where a replica that lacks ``lora`` loads it from (an adapter loaded at run time)."""
     trace_context: dict[str, str] | None = None
     cache_salt: str | None = None
+    tenant: str | None = None
+    """Whose request it is: the replica's waiting queue shares service between tenants."""
+    tenant_weight: float = 1.0
     operation: str = "text_completion"
     routing: dict[str, Any] | None = None
     """The router's decision, under the key it writes it to (``router.policy.ROUTING_NOTE``)."""
@@ -82,7 +85,7 @@ class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         """The replica's request dict; a bad sampling field raises SamplingParams's error."""
         request = msgspec.structs.asdict(self)
         request["params"] = SamplingParams(**self.params)
-        for key in ("resume_choices", "lora", "lora_path", "cache_salt"):
+        for key in ("resume_choices", "lora", "lora_path", "cache_salt", "tenant"):
             if request[key] is None:
                 del request[key]
         return request

@@ -152,7 +152,8 @@ class EngineReplica:
                                        priority=request.get("priority", 0),
                                        resume_token_ids=request.get("resume_token_ids", ()),
                                        resume_choices=request.get("resume_choices"), lora=request.get("lora"),
-                                       cache_salt=request.get("cache_salt"))
+                                       cache_salt=request.get("cache_salt"), tenant=request.get("tenant"),
+                                       tenant_weight=request.get("tenant_weight", 1.0))
         self._active.add(rid)
         self._start_metrics_loop()
         request_metrics = self._metrics.request()

@@ -131,7 +131,9 @@ class PreparedRequest:
     cache_salt: str | None = None
     """Cached prefix blocks are shared only between requests of the same salt (``salted_root``)."""
     tenant: str | None = None
-    """Whose request it is (``deployments.tenants``): its limits apply (``deployments.quotas``)."""
+    """Whose request it is (``deployments.tenants``): its limits apply (``deployments.quotas``), and
+    the engines share service between tenants by weight (``engine.fairness``)."""
+    tenant_weight: float = 1.0
 
     def engine_request(self, resume_token_ids: Sequence[int] = (), attempt: int = 0,
                        resume_choices: Mapping[int, Sequence[int]] | None = None) -> dict:
@@ -159,6 +161,8 @@ class PreparedRequest:
                 request["lora_path"] = self.lora_path
         if self.cache_salt is not None:
             request["cache_salt"] = self.cache_salt
+        if self.tenant is not None:
+            request["tenant"], request["tenant_weight"] = self.tenant, self.tenant_weight
         if attempt:
             request["attempt"] = attempt
         return request

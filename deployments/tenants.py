@@ -9,6 +9,7 @@ is configured to share (``share_cache``). Keys of the flat ``api_keys`` /
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -20,7 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from deployments.admission import ApiKeys as KeyList
 from deployments.errors import BadRequest
 from deployments.requests import PRIORITY_RANGE
-from engine.validation import Bool, Int, Str
+from engine.validation import Bool, Float, Int, Str
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class TenantConfig(BaseModel):
     """Requests in flight at once, over the whole deployment (``deployments.quotas``); None: no limit."""
     max_tokens_per_minute: Int | None = Field(None, ge=1)
     """Prompt and output tokens a minute, over the whole deployment; None: no limit."""
+    weight: Float = Field(1.0, gt=0, le=1000)
+    """Its share of the engines' service when tenants contend, relative to the others' (requests of
+    no tenant weigh 1): token-fair scheduling (``engine.fairness``)."""
 
     @model_validator(mode="after")
     def _has_keys(self) -> "TenantConfig":
@@ -90,16 +94,22 @@ class Tenant:
     max_concurrent_requests: int | None = None
     max_tokens_per_minute: int | None = None
     api_keys_file: str | None = None
-    keys: KeyList = field(init=False, repr=False, compare=False)
-    """``api_keys`` and those of ``api_keys_file``, as they are now."""
+    weight: float = 1.0
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "keys", KeyList(self.api_keys, self.api_keys_file))
+    @functools.cached_property
+    def keys(self) -> KeyList:
+        """``api_keys`` and those of ``api_keys_file``, as they are now: made (and the file first
+        read) in the process that checks keys, never carried over from the one that built the app,
+        whose clock and files are not this one's."""
+        return KeyList(self.api_keys, self.api_keys_file)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "keys"}
 
     @classmethod
     def of(cls, config: TenantConfig) -> "Tenant":
         return cls(config.name, config.api_keys, config.allowed_priority, config.share_cache,
-                   config.max_concurrent_requests, config.max_tokens_per_minute, config.api_keys_file)
+                   config.max_concurrent_requests, config.max_tokens_per_minute, config.api_keys_file, config.weight)
 
     def cache_salt(self, client_salt: str | None) -> str | None:
         """The salt its requests' blocks are hashed under: its own (and the client's, within it)."""

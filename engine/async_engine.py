@@ -145,11 +145,13 @@ class AsyncEngine:
                        request_id: str | None = None, priority: int = 0,
                        resume_token_ids: Sequence[int] = (),
                        resume_choices: Mapping[int, Sequence[int]] | None = None,
-                       lora: str | None = None, cache_salt: str | None = None) -> AsyncIterator[StreamOutput]:
+                       lora: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
+                       tenant_weight: float = 1.0) -> AsyncIterator[StreamOutput]:
         """Submit a request and stream its outputs (each choice's, with ``n`` > 1); closing the stream
         aborts the request.
 
-        ``resume_token_ids``, ``resume_choices``, ``lora``, ``cache_salt``: see ``LLMEngine.add_request``."""
+        ``resume_token_ids``, ``resume_choices``, ``lora``, ``cache_salt``, ``tenant``, ``tenant_weight``:
+        see ``LLMEngine.add_request``."""
         self.check_health()
         params = params or SamplingParams()
         prompt = self.engine.check_request(prompt_token_ids, params, priority)
@@ -160,7 +162,8 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
         self._register(request_id, stream, ("add", request_id, prompt, params, priority, time.monotonic(),
-                                                tuple(resume_token_ids), resume_choices, lora, cache_salt))
+                                                tuple(resume_token_ids), resume_choices, lora, cache_salt,
+                                                tenant, tenant_weight))
         finished = False
         try:
             while not finished:
@@ -265,10 +268,11 @@ class AsyncEngine:
                 else:
                     _call_soon(loop, lambda r=result: done.done() or done.set_result(r))
                 continue
-            _, rid, prompt, params, priority, arrival, resume, choices, lora, salt = item
+            _, rid, prompt, params, priority, arrival, resume, choices, lora, salt, tenant, weight = item
             try:
                 self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival, resume_token_ids=resume,
-                                        resume_choices=choices, lora=lora, cache_salt=salt)
+                                        resume_choices=choices, lora=lora, cache_salt=salt, tenant=tenant,
+                                        tenant_weight=weight)
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 stream = self._streams.get(rid)
                 if stream is not None:

@@ -142,13 +142,14 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
                     resume_token_ids: Sequence[int] = (),
                     resume_choices: Mapping[int, Sequence[int]] | None = None, lora: str | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, tenant: str | None = None, tenant_weight: float = 1.0) -> str:
         """Queue a request. ``resume_token_ids``: output tokens it already produced elsewhere (a
         replica died mid-stream); they are recomputed like a preempted request's, counted in
         ``max_tokens`` and in the seeded sampler's positions, and not emitted again.
         ``resume_choices``: the same for ``n`` > 1, by choice index: only the choices named run.
         ``lora``: the name of a served LoRA adapter to run with (None: the base model).
-        ``cache_salt``: its prompt's cached blocks are shared only with requests of the same salt."""
+        ``cache_salt``: its prompt's cached blocks are shared only with requests of the same salt.
+        ``tenant``, ``tenant_weight``: whose it is, and that tenant's share (engine.fairness)."""
         params = params or SamplingParams()
         prompt = self.check_request(prompt_token_ids, params, priority)
         adapter = self.adapter(lora) if lora is not None else None
@@ -180,6 +181,7 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
             req.matcher = matchers.get(index)
             req.lora_name = adapter.name if adapter is not None else None
             req.root_hash = req.last_block_hash = root
+            req.tenant, req.weight = tenant, tenant_weight
             req.record(req.timing.arrival_time, "queued", self.scheduler.num_waiting, len(self.scheduler.running))
             choices.append(req)
         self.requests[request_id] = choices

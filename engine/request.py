@@ -28,7 +28,7 @@ class Request:
         "num_computed_tokens", "block_ids", "num_hashed_blocks", "last_block_hash",
         "num_cached_tokens", "status", "finish_reason", "stop_token_id", "timing",
         "max_total_tokens", "seed", "eos_token_ids", "matcher", "index", "held", "prompt_logprobs",
-        "lora_name", "lora_slot", "root_hash", "sampling_row", "spec", "pooled",
+        "lora_name", "lora_slot", "root_hash", "sampling_row", "spec", "pooled", "tenant", "weight",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -74,6 +74,10 @@ class Request:
         """Speculative decoding's state for it (engine.spec_decode), made on its first decode step."""
         self.pooled = None
         """With ``params.pooling``: its prompt's hidden states pooled so far (engine.pooling)."""
+        self.tenant: str | None = None
+        """Whose request it is: the waiting queue shares service between tenants (engine.fairness)."""
+        self.weight = 1.0
+        """Its tenant's share of service, relative to the others' weights."""
 
     @property
     def prompt_token_ids(self) -> list[int]:

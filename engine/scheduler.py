@@ -4,14 +4,14 @@ Each step: running requests first (decodes, then the rest of chunked prefills), 
 priority order; when the KV pool runs dry the lowest-priority, least-advanced request is
 preempted (its blocks freed; it is recomputed when readmitted). Then, if nothing was
 preempted, waiting requests are admitted in (priority, arrival) order while slots, blocks
-and the token budget allow, reusing cached prefix blocks. Requests join and leave at every
+and the token budget allow, reusing cached prefix blocks; between tenants, by their fair
+shares of the tokens computed (``engine.fairness``). Requests join and leave at every
 step. ``scheduling="static"`` keeps the same machinery but only forms a new batch once the
 previous one has fully drained: the straw man continuous batching is measured against.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from engine.config import SchedulerConfig
 from engine.kv.block_manager import BlockManager
 from engine.errors import AdapterLoadError
+from engine.fairness import WaitQueue
 from engine.lora.manager import LoRAManager
 from engine.outputs import FINISH_ABORT, PREEMPT_KV_FULL
 from engine.request import Request, RequestStatus
@@ -102,7 +103,7 @@ class Scheduler:
         # Without chunked prefill a whole prompt must fit in one step's budget.
         self.token_budget = (config.max_num_batched_tokens if config.enable_chunked_prefill
                              else max(config.max_num_batched_tokens, max_total_tokens + config.max_num_seqs))
-        self.waiting: list[tuple[int, int, Request]] = []  # heap on Request.sort_key()
+        self.waiting = WaitQueue()  # priority, then tenants' fair shares, then arrival
         self.running: list[Request] = []
         self.static_batch: list[Request] = []               # static mode: the batch being admitted
         self.num_preemptions = 0
@@ -117,7 +118,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        heapq.heappush(self.waiting, (req.priority, req.seq_no, req))
+        self.waiting.push(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting or self.static_batch)
@@ -129,12 +130,7 @@ class Scheduler:
         elif req in self.static_batch:
             self.static_batch.remove(req)
         else:
-            for i, (_, _, r) in enumerate(self.waiting):
-                if r is req:
-                    self.waiting[i] = self.waiting[-1]
-                    self.waiting.pop()
-                    heapq.heapify(self.waiting)
-                    break
+            self.waiting.remove(req)
         if req.block_ids:
             self.blocks.free(req.block_ids)
             req.block_ids = []
@@ -202,7 +198,7 @@ class Scheduler:
         """Grow ``req``'s block table to cover ``n`` more tokens, preempting if the pool is dry."""
         need = self.blocks.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
         while need > self.blocks.num_free:
-            victim = max(self.running, key=lambda r: (r.priority, -r.num_computed_tokens, r.seq_no))
+            victim = max(self.running, key=self.waiting.victim_key)
             self._preempt(victim, scheduled, out)
             if victim is req:
                 return False
@@ -227,21 +223,21 @@ class Scheduler:
         if self.static:
             self.static_batch.insert(0, req)
         else:
-            heapq.heappush(self.waiting, (req.priority, req.seq_no, req))
+            self.waiting.push(req)
 
     def _next_candidate(self) -> Request | None:
         if self.static:
             if not self.running and not self.static_batch:
                 take = min(self.config.max_num_seqs, len(self.waiting))
-                self.static_batch = [heapq.heappop(self.waiting)[2] for _ in range(take)]
+                self.static_batch = [self.waiting.pop() for _ in range(take)]
             return self.static_batch[0] if self.static_batch else None
-        return self.waiting[0][2] if self.waiting else None
+        return self.waiting.peek()
 
     def _pop_candidate(self) -> None:
         if self.static:
             self.static_batch.pop(0)
         else:
-            heapq.heappop(self.waiting)
+            self.waiting.pop()
 
     def _admit(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput) -> int:
         passed_over: list[Request] = []  # their adapter has no slot this step; they keep their place
@@ -249,7 +245,7 @@ class Scheduler:
             return self._admit_waiting(budget, scheduled, out, passed_over)
         finally:
             for req in passed_over:
-                heapq.heappush(self.waiting, (req.priority, req.seq_no, req))
+                self.waiting.push(req)
 
     def _admit_waiting(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput,
                        passed_over: list[Request]) -> int:
@@ -284,7 +280,7 @@ class Scheduler:
                 if slot is None:  # every slot is held by running requests of other adapters
                     if self.static:
                         break
-                    passed_over.append(heapq.heappop(self.waiting)[2])  # others may still run
+                    passed_over.append(self.waiting.pop())  # others may still run
                     self._scored_left = scored_left
                     continue
                 req.lora_slot = slot
@@ -318,6 +314,7 @@ class Scheduler:
         bs = self.blocks.block_size
         for chunk in out.chunks:
             req = chunk.request
+            self.waiting.charge(req, chunk.num_tokens)
             if req.status is not RequestStatus.RUNNING:
                 continue
             if (chunk.num_tokens > 1 and not chunk.speculative) or chunk.start < req.num_prompt_tokens:

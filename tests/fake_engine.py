@@ -69,7 +69,8 @@ class FakeAsyncEngine:
 
     async def generate(self, prompt_token_ids, params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, resume_token_ids=(), resume_choices=None,
-                       lora: str | None = None, cache_salt: str | None = None) -> AsyncIterator[StreamOutput]:
+                       lora: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
+                       tenant_weight: float = 1.0) -> AsyncIterator[StreamOutput]:
         if lora is not None:
             raise UnknownAdapterError(f"adapter {lora!r} is not loaded; this engine serves no LoRA adapters")
         rid = request_id or uuid.uuid4().hex

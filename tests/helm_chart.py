@@ -39,10 +39,12 @@ def ci_values(name: str) -> dict:
 
 
 def render(chart, values: dict | None = None, release: str = RELEASE) -> dict[str, str]:
-    """Values that say nothing of authentication render as a dev cluster's would (``insecure: true``):
-    the chart refuses them otherwise, which tests/test_helm_values.py checks on its own."""
+    """Values that say nothing of authentication (no API keys, no tenants) render as a dev cluster's
+    would (``insecure: true``): the chart refuses them otherwise, which tests/test_helm_values.py
+    checks on its own."""
     values = dict(values or {})
-    if "insecure" not in values and not (values.get("apiKeys") or {}).get("existingSecret"):
+    if "insecure" not in values and not (values.get("apiKeys") or {}).get("existingSecret") \
+            and not values.get("tenants"):
         values["insecure"] = True
     return chart.render(values=values, name=release, namespace=NAMESPACE, is_install=True)
 
@@ -136,6 +138,27 @@ def check_kuberay_rules(rs: dict) -> None:
     for group in cluster["workerGroupSpecs"]:
         assert 0 <= group["minReplicas"] <= group["maxReplicas"], group["groupName"]
         assert "idleTimeoutSeconds" not in group or v2
+
+
+def check_documents(docs: list[dict], crd_validators: dict[str, jsonschema.Draft4Validator]) -> dict:
+    """Every document of a rendering validated (module docstring of tests/test_helm.py); the RayService."""
+    rs = the(docs, "RayService")
+    assert_valid(crd_validators["RayService"], rs, "RayService")
+    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": rs["metadata"]["name"]},
+               "spec": rs["spec"]["rayClusterConfig"]}
+    assert_valid(crd_validators["RayCluster"], cluster, "rayClusterConfig as a RayCluster")
+    check_kuberay_rules(rs)
+    for group, template in pod_templates(rs).items():  # the pods with Kubernetes' own (richer) schema
+        k8s_validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}, "template": template})
+    for doc in docs:
+        if doc["kind"] in BUILTIN_KINDS:
+            k8s_validate(doc)
+        elif doc["kind"] == "PodMonitor":
+            check_pod_monitor(doc, rs)
+        else:
+            assert doc["kind"] == "RayService", f"unexpected kind {doc['kind']}"
+        assert doc["metadata"]["namespace"] == NAMESPACE
+    return rs
 
 
 def check_pod_monitor(pm: dict, rs: dict) -> None:

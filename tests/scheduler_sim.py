@@ -36,13 +36,14 @@ class Sim:
         self.sampled: list[str] = []  # requests that got a token in the last step
 
     # ------------------------------------------------------------------ engine side
-    def add(self, prompt, max_tokens=4, priority=0, rid=None) -> Request:
+    def add(self, prompt, max_tokens=4, priority=0, rid=None, tenant=None, weight=1.0) -> Request:
         seq = next(self._seq)
         if isinstance(prompt, int):  # distinct tokens per request: no accidental prefix hits
             prompt = list(range(10_000 * (seq + 1), 10_000 * (seq + 1) + prompt))
         assert len(prompt) < self.max_total_tokens  # what LLMEngine.check_request enforces
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(rid or f"r{seq}", prompt, params, priority, seq, self.max_total_tokens, 0, frozenset())
+        req.tenant, req.weight = tenant, weight
         self.requests[req.request_id] = req
         self.sched.add(req)
         return req

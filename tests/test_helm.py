@@ -19,8 +19,8 @@ import helm_python
 import pytest
 
 # the chart, rendered and crd_validators fixtures come with these imports
-from tests.helm_chart import (BUILTIN_KINDS, CHART_DIR, CI_DIR, CI_NAMES, GOLDEN_DIR, NAMESPACE, RAY_NODE_HEALTH_PORT,
-                              assert_valid, chart, check_kuberay_rules, check_pod_monitor, ci_values, crd_validators,
+from tests.helm_chart import (BUILTIN_KINDS, CHART_DIR, CI_DIR, CI_NAMES, GOLDEN_DIR, RAY_NODE_HEALTH_PORT,
+                              assert_valid, chart, check_documents, check_kuberay_rules, ci_values, crd_validators,
                               documents, golden_text, k8s_validate, pod_templates, render, rendered, serve_config, the)
 
 
@@ -38,23 +38,7 @@ def test_strict_lint_passes(name):
 
 @pytest.mark.parametrize("name", CI_NAMES)
 def test_every_document_validates(name, rendered, crd_validators):
-    docs = documents(rendered[name])
-    rs = the(docs, "RayService")
-    assert_valid(crd_validators["RayService"], rs, "RayService")
-    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": rs["metadata"]["name"]},
-               "spec": rs["spec"]["rayClusterConfig"]}
-    assert_valid(crd_validators["RayCluster"], cluster, "rayClusterConfig as a RayCluster")
-    check_kuberay_rules(rs)
-    for group, template in pod_templates(rs).items():  # the pods with Kubernetes' own (richer) schema
-        k8s_validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}, "template": template})
-    for doc in docs:
-        if doc["kind"] in BUILTIN_KINDS:
-            k8s_validate(doc)
-        elif doc["kind"] == "PodMonitor":
-            check_pod_monitor(doc, rs)
-        else:
-            assert doc["kind"] == "RayService", f"unexpected kind {doc['kind']}"
-        assert doc["metadata"]["namespace"] == NAMESPACE
+    check_documents(documents(rendered[name]), crd_validators)
 
 
 @pytest.mark.parametrize("name", CI_NAMES)
@@ -311,3 +295,74 @@ def test_engine_link_tls_is_mounted_on_every_ray_pod_and_given_to_the_app(render
     for name in CI_NAMES:  # where it is not set, no link certificate anywhere
         if "engineLinkTls" not in ci_values(name):
             assert "link-tls" not in rendered[name]["slotserve/templates/rayservice.yaml"]
+
+
+# ----------------------------------------------------------------------------- tenants
+TENANTS = [
+    {"name": "Team_A.prod", "existingSecret": "team-a-keys", "allowedPriority": [-5, 5], "shareCache": True,
+     "maxConcurrentRequests": 32, "maxTokensPerMinute": 2000000, "weight": 2.5},
+    {"name": "team-b", "existingSecret": "team-b-keys", "key": "tenant-keys"},  # the other fields by default
+]
+
+
+def _secret_files(pod: dict, secret: str) -> set[str]:
+    """The files of ``secret`` in the pod's first container, as mounted: {mountPath/item path}."""
+    volumes = {v["name"]: v["secret"] for v in pod.get("volumes", ())
+               if v.get("secret", {}).get("secretName") == secret}
+    mounts = [m for m in pod["containers"][0].get("volumeMounts", ()) if m["name"] in volumes]
+    assert all(m["readOnly"] for m in mounts), mounts
+    return {f"{m['mountPath']}/{item['path']}" for m in mounts for item in volumes[m["name"]]["items"]}
+
+
+@pytest.mark.parametrize("api_keys", ["app-keys", ""])
+def test_tenants_keys_are_mounted_where_the_apps_are_and_reach_the_app(chart, crd_validators, api_keys):
+    from deployments.app import AppConfig
+
+    values = {"apiKeys": {"existingSecret": api_keys}, "tenants": TENANTS}  # no insecure: tenants authenticate
+    rs = check_documents(documents(render(chart, values)), crd_validators)
+    args = serve_config(rs)["applications"][0]["args"]
+    cfg = AppConfig.from_args(args)
+    assert [(t.name, t.allowed_priority, t.share_cache, t.max_concurrent_requests, t.max_tokens_per_minute,
+             t.weight) for t in cfg.tenants] == [("Team_A.prod", (-5, 5), True, 32, 2000000, 2.5),
+                                                 ("team-b", (0, 0), False, None, None, 1)]
+    assert [t.api_keys_file for t in cfg.tenants] == ["/etc/slotserve/tenants/Team_A.prod/keys",
+                                                      "/etc/slotserve/tenants/team-b/tenant-keys"]
+    assert all(not t.api_keys for t in cfg.tenants)  # keys never come inline from the values
+    assert "max_concurrent_requests" not in args["tenants"][1]  # unset limits are left to the app
+    assert cfg.api_keys_file == ("/etc/slotserve/api-keys/keys" if api_keys else None)
+    for group, template in pod_templates(rs).items():
+        pod = template["spec"]
+        # Every pod with the app's keys, and the head (where Serve's controller builds the app).
+        if api_keys and group != "head":
+            assert _secret_files(pod, "app-keys") == {cfg.api_keys_file}, group
+        for tenant in cfg.tenants:
+            secret = {t["name"]: t["existingSecret"] for t in TENANTS}[tenant.name]
+            assert _secret_files(pod, secret) == {tenant.api_keys_file}, (group, tenant.name)
+
+
+def test_tenants_files_build_the_app(chart, tmp_path):
+    """build_app reads each tenant's keys file where it runs (Serve's build task): with the files
+    where the chart mounts them, the app builds."""
+    from deployments.app import build_app
+
+    rs = the(documents(render(chart, {"tenants": TENANTS, "tenantsMountPath": str(tmp_path)})), "RayService")
+    args = serve_config(rs)["applications"][0]["args"]
+    for i, tenant in enumerate(args["tenants"]):
+        assert tenant["api_keys_file"].startswith(f"{tmp_path}/{tenant['name']}/")
+        os.makedirs(os.path.dirname(tenant["api_keys_file"]))
+        with open(tenant["api_keys_file"], "w") as f:
+            f.write(f"# tenant {tenant['name']}\nsk-tenant-{i}-0123456789\n")
+    build_app(args)
+
+
+def test_strict_lint_passes_with_tenants():
+    report = helm_python.chart.lint(CHART_DIR, {"tenants": TENANTS}, strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+def test_notes_name_the_tenants_secrets(chart):
+    notes = render(chart, {"tenants": TENANTS})["slotserve/templates/NOTES.txt"]
+    assert "Team_A.prod: Secret team-a-keys (key keys)" in notes
+    assert "team-b: Secret team-b-keys (key tenant-keys)" in notes
+    assert 'authorization: Bearer $SLOTSERVE_API_KEY' in notes

@@ -28,6 +28,18 @@ from tests.helm_chart import (CHART_DIR, ROOT, chart, render, rendered, the)
     ({"workerGroups": [{"name": "GPU", "minReplicas": 0, "maxReplicas": 1}]}, "name"),
     ({"containerSecurityContext": {"allowPrivilegeEscalation": True, "capabilities": {"drop": ["ALL"]}}},
      "allowPrivilegeEscalation"),
+    ({"tenants": [{"name": "team a", "existingSecret": "keys"}]}, "/tenants/0/name"),
+    ({"tenants": [{"name": "-team", "existingSecret": "keys"}]}, "/tenants/0/name"),
+    ({"tenants": [{"name": "t" * 65, "existingSecret": "keys"}]}, "/tenants/0/name"),
+    ({"tenants": [{"name": "team"}]}, "existingSecret"),
+    ({"tenants": [{"name": "team", "existingSecret": ""}]}, "existingSecret"),
+    ({"tenants": [{"existingSecret": "keys"}]}, "name"),
+    ({"tenants": [{"name": "team", "existingSecret": "keys", "apiKeys": ["sk-0123456789"]}]}, "apiKeys"),
+    ({"tenants": [{"name": "team", "existingSecret": "keys", "maxConcurrentRequests": 0}]}, "maxConcurrentRequests"),
+    ({"tenants": [{"name": "team", "existingSecret": "keys", "maxTokensPerMinute": 0}]}, "maxTokensPerMinute"),
+    ({"tenants": [{"name": "team", "existingSecret": "keys", "weight": 0}]}, "weight"),
+    ({"tenants": [{"name": "team", "existingSecret": "keys", "allowedPriority": [1]}]}, "allowedPriority"),
+    ({"tenants": [{"name": "team", "existingSecret": "keys", "key": "../keys"}]}, "/tenants/0/key"),
 ])
 def test_bad_value_fails_the_schema_naming_it(chart, values, named):
     with pytest.raises(HelmValuesError, match=re.escape(named)):
@@ -47,6 +59,11 @@ def test_bad_value_fails_the_schema_naming_it(chart, values, named):
     ({"loraStore": {"enabled": True, "existingClaim": "adapters"}}, "loraStore.enabled: the engine serves no LoRA"),
     ({"tls": {"existingSecret": "certs"}}, "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP"),
     ({"insecure": False}, "apiKeys.existingSecret is empty: anyone who reaches the service would run inference"),
+    ({"tenants": [{"name": "team", "existingSecret": "a"}, {"name": "team", "existingSecret": "b"}]},
+     'tenants: "team" is named twice'),
+    ({"tenants": [{"name": "team", "existingSecret": "keys", "allowedPriority": [5, -5]}]},
+     'tenants: "team" has allowedPriority [5,-5]; it is [lowest, highest]'),
+    ({"extraAppArgs": {"tenants": [{"name": "team", "api_keys": ["sk-0123456789"]}]}}, "extraAppArgs.tenants"),
 ])
 def test_inconsistent_values_fail_rendering(chart, values, message):
     with pytest.raises(HelmRenderError, match=re.escape(message)):
@@ -177,6 +194,17 @@ def test_the_chart_refuses_to_serve_without_api_keys_unless_told_to(chart):
     keyed = _app_args(render(chart, {"insecure": False, "apiKeys": {"existingSecret": "keys"}}))
     assert keyed["api_keys_file"] == "/etc/slotserve/api-keys/keys"
     assert "api_keys_file" not in _app_args(render(chart, {"insecure": True}))
+
+
+def test_tenants_with_secrets_are_authentication_enough(chart):
+    from deployments.app import AppConfig
+
+    tenants = [{"name": "team", "existingSecret": "team-keys"}]
+    cfg = AppConfig.from_args(_app_args(render(chart, {"insecure": False, "tenants": tenants})))
+    assert cfg.api_keys_file is None and not cfg.api_keys
+    assert [(t.name, t.api_keys_file) for t in cfg.tenants] == [("team", "/etc/slotserve/tenants/team/keys")]
+    with pytest.raises(HelmRenderError, match="apiKeys.existingSecret is empty"):  # no tenants: no keys at all
+        render(chart, {"insecure": False, "tenants": []})
 
 
 def test_the_link_token_comes_from_a_secret_on_the_head(chart):

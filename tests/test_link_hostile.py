@@ -145,7 +145,7 @@ def test_a_submit_arrives_as_the_request_the_ingress_sent():
 
     sent = {**_request(3), "ingress_id": "i", "priority": 2, "attempt": 1, "resume_token_ids": [7, 8],
             "trace_context": {"traceparent": "00-ab-cd-01"}, "operation": "chat", "cache_salt": "tenant-a",
-            ROUTING_NOTE: {"reason": "prefix", "time_ns": 5}}
+            "tenant": "team-a", "tenant_weight": 2.5, ROUTING_NOTE: {"reason": "prefix", "time_ns": 5}}
     key, got = decode_ingress_frame(frame(Submit(sent))[4:]).take()
     assert key == "r3~1" and got == sent  # the router's note included, under the key the replica's tracing reads
 
@@ -160,7 +160,8 @@ def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
     assert got["resume_choices"] == {1: [5, 6], 2: []}
     out = StreamOutput("r", [9], finished=True, finish_reason="stop", new_logprobs=[{9: -0.5, 3: -1.0}],
                        num_prompt_tokens=3, num_output_tokens=1, timing=RequestTiming(arrival_time=0.0), index=2,
-                       choices_running=1, prompt_logprobs=[None, {4: -2.0}, {5: -0.25, 1: -3.0}])
+                       choices_running=1, prompt_logprobs=[None, {4: -2.0}, {5: -0.25, 1: -3.0}],
+                       embedding=[0.5, -0.25])
     message = stream_message(out)
     [item] = [as_item(o) for o in msgspec.msgpack.decode(outputs([("w", message, None)])[4:], type=list[Output])]
     assert item == ("w", message, None)

@@ -106,6 +106,8 @@ def test_the_ingress_refuses_a_tenant_over_its_limits_and_serves_the_others(repl
         assert int(err.value.response.headers["retry-after"]) > 1
         free, free_http = _clients(app, api_key="key-free-1")
         assert (await free.completions.create(model="tiny", prompt="again", max_tokens=2)).usage.completion_tokens == 2
+        # The engine charged each tenant's service to its name, by its weight (engine.fairness).
+        assert {"capped", "free"} <= set(replica.engine.engine.scheduler.waiting.service)
         await http.aclose()
         await free_http.aclose()
     run(main(), timeout_s=120)

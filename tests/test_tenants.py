@@ -70,7 +70,7 @@ def test_each_tenant_caches_its_prompts_apart_unless_it_shares(frontend):
     ([{**TENANTS[1], "api_keys": ["short"]}], "tenants.0.api_keys"),
     ([{**TENANTS[1], "name": "has space"}], "tenants.0.name"),
     ([{**TENANTS[1], "allowed_priority": [1, -1]}], "must be \\[lowest, highest\\]"),
-    ([{**TENANTS[1], "weight": 2}], "tenants.0.weight"),
+    ([{**TENANTS[1], "weight": 0}], "tenants.0.weight"),
 ])
 def test_bad_tenants_are_refused_by_name(tenants, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -101,3 +101,20 @@ def test_a_tenants_keys_come_from_a_file_that_rotates_without_restart(tokenizer,
         fe.authorize("Bearer key-file-a-2-rotated")
     with pytest.raises(ValueError, match="needs api_keys or an api_keys_file"):
         AppConfig.from_args({"tenants": [{"name": "c"}]})
+
+
+def test_a_tenant_copied_to_another_process_reads_its_keys_file_there(tmp_path):
+    """The app is built where Serve builds it and its config copied to the ingress replicas: the copy
+    must not carry the builder's key list (its file stamps, its monotonic clock)."""
+    import pickle
+
+    from deployments.tenants import Tenant, tenant_of
+
+    keys = tmp_path / "keys"
+    keys.write_text("key-built-1\n")
+    built = Tenant("a", (), api_keys_file=str(keys))
+    assert tenant_of("key-built-1", (built,)) is built
+    keys.write_text("key-rotated-22\n")
+    copy = pickle.loads(pickle.dumps(built))
+    assert "keys" not in copy.__dict__ and copy == built
+    assert tenant_of("key-rotated-22", (copy,)) is copy and tenant_of("key-built-1", (copy,)) is None

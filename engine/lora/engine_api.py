@@ -63,7 +63,7 @@ class EngineAdapters:
         s.lora_loaded, s.lora_running, s.max_loras = tuple(lora.slot_of), lora.running, lora.config.max_loras
         s.lora_loads, s.lora_evictions = lora.num_loads, lora.num_evictions
         held = [h for choices in self.requests.values() for r in choices for h in r.held]
-        waiting = [r for _, _, r in self.scheduler.waiting] + self.scheduler.static_batch + held
+        waiting = list(self.scheduler.waiting) + self.scheduler.static_batch + held
         s.lora_waiting = dict(collections.Counter(r.lora_name for r in waiting if r.lora_name is not None))
         if self._lora_version != lora.version:
             self._lora_version = lora.version

@@ -118,6 +118,31 @@ time, so streams get their full D. The pod's grace period adds 15 s for Ray to e
 {{- end }}
 
 {{/*
+Tenants with their defaults, and where each one's Secret is mounted: the volume tenant-<index>
+(a tenant's name need not be a DNS label) at tenantsMountPath/<name>, holding the file <key>.
+*/}}
+{{- define "slotserve.tenants" -}}
+{{- $tenants := list }}
+{{- range $i, $t := .Values.tenants }}
+{{- $key := default "keys" (index $t "key") }}
+{{- $dir := printf "%s/%s" (trimSuffix "/" $.Values.tenantsMountPath) $t.name }}
+{{- $tenants = append $tenants (dict
+      "name" $t.name
+      "existingSecret" $t.existingSecret
+      "key" $key
+      "allowedPriority" (default (list 0 0) (index $t "allowedPriority"))
+      "shareCache" (default false (index $t "shareCache"))
+      "maxConcurrentRequests" (index $t "maxConcurrentRequests")
+      "maxTokensPerMinute" (index $t "maxTokensPerMinute")
+      "weight" (default 1 (index $t "weight"))
+      "volume" (printf "tenant-%d" $i)
+      "mountPath" $dir
+      "keysFile" (printf "%s/%s" $dir $key)) }}
+{{- end }}
+{{- toJson $tenants }}
+{{- end }}
+
+{{/*
 The Kubernetes node a pod runs on, for the replicas' GPU info metric (its `node` label matches
 DCGM's Hostname; deployments/nvml.py).
 */}}

@@ -46,16 +46,37 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
 {{- end }}
 {{- if $v.apiKeys.existingSecret }}
 {{- $_ := set $args "api_keys_file" (printf "%s/keys" $v.apiKeys.mountPath) }}
-{{- else if not $v.insecure }}
-{{- fail "apiKeys.existingSecret is empty: anyone who reaches the service would run inference; name a Secret of API keys, or set insecure: true to serve without authentication" }}
+{{- else if not (or $v.tenants $v.insecure) }}
+{{- fail "apiKeys.existingSecret is empty: anyone who reaches the service would run inference; name a Secret of API keys (or give tenants, each with its Secret), or set insecure: true to serve without authentication" }}
+{{- end }}
+{{- /* Each tenant's keys file is its Secret, mounted on every Ray pod (slotserve.tenants). */}}
+{{- $tenants := list }}
+{{- range $t := include "slotserve.tenants" . | fromJsonArray }}
+{{- $tenant := dict
+      "name" $t.name
+      "api_keys_file" $t.keysFile
+      "allowed_priority" $t.allowedPriority
+      "share_cache" $t.shareCache
+      "weight" $t.weight }}
+{{- if not (kindIs "invalid" $t.maxConcurrentRequests) }}
+{{- $_ := set $tenant "max_concurrent_requests" $t.maxConcurrentRequests }}
+{{- end }}
+{{- if not (kindIs "invalid" $t.maxTokensPerMinute) }}
+{{- $_ := set $tenant "max_tokens_per_minute" $t.maxTokensPerMinute }}
+{{- end }}
+{{- $tenants = append $tenants $tenant }}
+{{- end }}
+{{- with $tenants }}
+{{- $_ := set $args "tenants" . }}
 {{- end }}
 {{- with $v.engineLinkTls.existingSecret }}
 {{- $dir := $v.engineLinkTls.mountPath }}
 {{- $_ := set $args "engine_link_tls" (dict "certfile" (printf "%s/tls.crt" $dir) "keyfile" (printf "%s/tls.key" $dir)
                                            "cafile" (printf "%s/ca.crt" $dir)) }}
 {{- end }}
+{{- /* tenants only from the values above, even when there are none: keys never come inline */}}
 {{- range $key, $value := $v.extraAppArgs }}
-{{- if hasKey $args $key }}
+{{- if or (hasKey $args $key) (eq $key "tenants") }}
 {{- fail (printf "extraAppArgs.%s: the chart sets %s from its own values; set that value instead" $key $key) }}
 {{- end }}
 {{- $_ := set $args $key $value }}
@@ -96,6 +117,16 @@ Checks the schema cannot express: they compare values with each other.
 {{- $v := .Values }}
 {{- if and $v.tls.existingSecret (eq $v.serve.ingress "haproxy") }}
 {{- fail "tls.existingSecret: HAProxy mode (serve.ingress: haproxy) serves plain HTTP; set serve.ingress: proxy for HTTPS, or terminate TLS in front of the Service" }}
+{{- end }}
+{{- $tenantNames := list }}
+{{- range $t := include "slotserve.tenants" . | fromJsonArray }}
+{{- if has $t.name $tenantNames }}
+{{- fail (printf "tenants: %q is named twice (each tenant has its own keys and mount)" $t.name) }}
+{{- end }}
+{{- $tenantNames = append $tenantNames $t.name }}
+{{- if gt (index $t.allowedPriority 0 | int64) (index $t.allowedPriority 1 | int64) }}
+{{- fail (printf "tenants: %q has allowedPriority %s; it is [lowest, highest]" $t.name (toJson $t.allowedPriority)) }}
+{{- end }}
 {{- end }}
 {{- if gt (int $v.autoscaling.minReplicas) (int $v.autoscaling.maxReplicas) }}
 {{- fail (printf "autoscaling.minReplicas (%v) must not exceed autoscaling.maxReplicas (%v)" $v.autoscaling.minReplicas $v.autoscaling.maxReplicas) }}

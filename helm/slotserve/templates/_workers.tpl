@@ -165,6 +165,11 @@ exec:
               mountPath: {{ $v.apiKeys.mountPath }}
               readOnly: true
             {{- end }}
+            {{- range $t := include "slotserve.tenants" $root | fromJsonArray }}
+            - name: {{ $t.volume }}
+              mountPath: {{ $t.mountPath | quote }}
+              readOnly: true
+            {{- end }}
             {{- if $v.tls.existingSecret }}
             - name: tls
               mountPath: {{ $v.tls.mountPath }}
@@ -207,6 +212,14 @@ exec:
             items:
               - key: {{ $v.apiKeys.key }}
                 path: keys
+        {{- end }}
+        {{- range $t := include "slotserve.tenants" $root | fromJsonArray }}
+        - name: {{ $t.volume }}
+          secret:
+            secretName: {{ $t.existingSecret }}
+            items:
+              - key: {{ $t.key | quote }}
+                path: {{ $t.key | quote }}
         {{- end }}
         {{- if $v.tls.existingSecret }}
         - name: tls
