@@ -71,3 +71,14 @@ def test_the_preemption_victim_is_the_most_served_tenants():
     while all(r.status is not RequestStatus.PREEMPTED for r in (greedy, modest)) and sim.sched.has_unfinished():
         sim.step()
     assert greedy.timing.num_preemptions >= 1 and modest.timing.num_preemptions == 0
+
+
+def test_the_benchmark_shares_tokens_by_weight_where_round_robin_does_not():
+    """benchmarks.fairness: backlogged tenants of weights 1, 1 and 2 get tokens 1:1:2 under the
+    counter; round-robin by request gives most to the tenant of long requests."""
+    from benchmarks.fairness import simulate
+
+    vtc, rr = simulate("vtc", 1500), simulate("round-robin", 1500)
+    for name, share in (("long", 0.25), ("short", 0.25), ("short-x2", 0.5)):
+        assert abs(vtc[name]["share"] - share) < 0.03, vtc
+    assert rr["long"]["share"] > 0.6, rr
