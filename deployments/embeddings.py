@@ -78,7 +78,9 @@ async def embed(frontend: Frontend, inputs: list, model: str | None, tenant: Ten
         raise BadRequest(f"dimensions is {dimensions}, but this model's embeddings have {size} and it was not "
                          "trained to be cut shorter (Matryoshka); leave dimensions out", param="dimensions")
     sampling = {"pooling": info.get("pooling", "last"), "max_tokens": 1}
-    gate = asyncio.Semaphore(CONCURRENT_INPUTS)
+    # Within the tenant's own limit too: its inputs wait their turn instead of being refused.
+    gate = asyncio.Semaphore(min(CONCURRENT_INPUTS, frontend.quotas.concurrency(tenant and tenant.name)
+                                 or CONCURRENT_INPUTS))
 
     async def one(i: int, value) -> tuple[list[float], int]:
         text = value if isinstance(value, str) else None

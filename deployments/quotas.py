@@ -95,6 +95,10 @@ class TenantQuotas:
     def in_flight(self, tenant: str) -> int:
         return self._usage[tenant].in_flight
 
+    def concurrency(self, tenant: str | None) -> int | None:
+        """The tenant's requests in flight allowed at this ingress (None: no limit)."""
+        return self._concurrent.get(tenant) if tenant is not None else None
+
     def _refill(self, usage: _Usage, rate: int) -> None:
         now = self._clock()
         usage.level = min(float(rate), usage.level + (now - usage.stamp) * rate / 60.0)

@@ -115,3 +115,13 @@ def test_served_over_http_and_grpc(replica, tiny_model_dir, tokenizer, reference
         assert context.code.name == "INVALID_ARGUMENT" and "text" in context.details
         assert replica.engine.stats().kv_blocks_used == 0
     run(main(), timeout_s=120)
+
+
+def test_a_tenants_inputs_wait_within_its_concurrency_limit(replica, tiny_model_dir, tokenizer):
+    from deployments.embeddings import embed
+    from deployments.tenants import Tenant
+
+    one = Tenant("one-at-a-time", ("key-one-at-a-time",), max_concurrent_requests=1)
+    fe = frontend_over(replica, tiny_model_dir, tokenizer, tenants=(one,))
+    vectors, tokens = run(embed(fe, PROMPTS, "tiny", one))  # eight at a time would be refused past the first
+    assert len(vectors) == 3 and tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
