@@ -120,6 +120,39 @@ def test_anthropic_and_responses_clients_match_offline_llm(service, offline):
 
 
 @ONE_MODE
+def test_agents_apis_and_embeddings_through_the_served_app(service, tiny_model_dir):
+    """A forced call and its result's round trip on both agent APIs, a stored conversation
+    continued, Anthropic's token count, and embeddings of a batch equal to its items one by one
+    and to the offline engine's."""
+    from engine import LLM
+    from tests.test_anthropic_messages import USER as A_USER, WEATHER as A_WEATHER
+    from tests.test_responses_api import TOOL
+
+    anthropic, openai = service.anthropic(), service.openai()
+    done = anthropic.messages.create(model="tiny", messages=A_USER, tools=[A_WEATHER], max_tokens=120,
+                                     tool_choice={"type": "tool", "name": "get_weather"})
+    (call,) = [b for b in done.content if b.type == "tool_use"]
+    assert done.stop_reason == "tool_use" and set(call.input) == {"city", "days"}
+    history = A_USER + [{"role": "assistant", "content": done.content},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "4 C"}]}]
+    counted = anthropic.messages.count_tokens(model="tiny", messages=history, tools=[A_WEATHER]).input_tokens
+    answer = anthropic.messages.create(model="tiny", messages=history, tools=[A_WEATHER], max_tokens=4)
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == counted
+    first = openai.responses.create(model="tiny", input="weather in Paris?", tools=[TOOL], max_output_tokens=120,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    (fc,) = first.output
+    follow = openai.responses.create(model="tiny", previous_response_id=first.id, tools=[TOOL], max_output_tokens=4,
+                                     input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "4 C"}])
+    assert fc.type == "function_call" and follow.previous_response_id == first.id and follow.output
+    texts = ["hello world", "the quick brown fox jumps", "a"]
+    batch = [d.embedding for d in openai.embeddings.create(model="tiny", input=texts).data]
+    one_by_one = [openai.embeddings.create(model="tiny", input=t).data[0].embedding for t in texts]
+    reference = LLM(str(tiny_model_dir), **ENGINE).embed(texts)
+    for a, b, c in zip(batch, one_by_one, reference):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5 and max(abs(x - y) for x, y in zip(a, c)) < 1e-5
+
+
+@ONE_MODE
 def test_a_lora_adapter_by_model_name_over_both_protocols(service, tiny_model_dir, lora):
     from engine import LLM, SamplingParams
 
