@@ -90,7 +90,7 @@ def test_bad_rpc_input_gets_the_documented_error(service, case):
 
 HTTP_ROUTE_KINDS = [  # (id, method, path, status, param)
     ("unknown-model-card", "GET", "/v1/models/gpt-4", 404, "model"),
-    ("unknown-path", "POST", "/v1/embeddings", 404, None),
+    ("unknown-path", "POST", "/v1/audio/transcriptions", 404, None),
     ("wrong-method", "GET", "/v1/completions", 405, None),
 ]
 
