@@ -14,7 +14,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from engine.validation import Bool, Float, Int, Str, validated
 
@@ -136,7 +136,7 @@ class LoRAConfig:
         return adapters
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @validated()
@@ -147,7 +147,14 @@ class SpeculativeConfig:
 
     method: Literal[SPECULATIVE_METHODS]
     """``ngram``: prompt lookup, the tokens that followed the latest earlier occurrence of the
-    sequence's last n-gram (no draft model)."""
+    sequence's last n-gram (no draft model). ``draft_model``: the greedy tokens of ``model``, a
+    smaller model with the target's tokenizer, run in the same replica (engine.spec_draft)."""
+    model: Str | None = Field(None, min_length=1)
+    """``draft_model``'s model: a local HF directory or a built-in name, as ``model.model``."""
+    quantization: Literal["gguf", "int8"] | None = None
+    """The draft model's weights, as ``model.quantization`` (None: its dtype, de-quantized)."""
+    draft_tensor_parallel_size: Int = Field(1, ge=1, le=1)
+    """The draft runs on the target's first device, whole (vLLM's name; only 1 here)."""
     num_speculative_tokens: Int = Field(ge=1, le=16)
     """Draft tokens per step and request (k): a verifying request computes 1 + k tokens."""
     prompt_lookup_min: Int = Field(2, ge=1)
@@ -165,6 +172,14 @@ class SpeculativeConfig:
         if low is not None and value < low:
             raise ValueError(f"must be >= prompt_lookup_min ({low})")
         return value
+
+    @model_validator(mode="after")
+    def _draft_model_named(self) -> "SpeculativeConfig":
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("model (the draft model) is required with method 'draft_model' and only there")
+        if self.quantization is not None and self.model is None:
+            raise ValueError("quantization is the draft model's: only with method 'draft_model'")
+        return self
 
 
 @validated()

@@ -34,6 +34,7 @@ from engine.runner import ModelRunner
 from engine.sampling import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import Speculator
+from engine.spec_draft import DraftModel, kv_width, load_draft_arch
 from engine.spec_verify import EngineSpeculation
 from engine.structured import GrammarBook
 
@@ -80,13 +81,14 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         self.max_model_len = self._max_model_len()
         self._timings: dict[str, float] | None = {} if config.profile else None
         self.tp = None  # rank 0's handle on the other tensor-parallel ranks (engine.tp)
+        self.drafter: DraftModel | None = None  # speculative_config's draft model (engine.spec_draft)
         if config.parallel.tensor_parallel_size > 1:
             from engine.tp.driver import start_tensor_parallel
             self.tp, self.runner = start_tensor_parallel(config, self.model_path, self.arch, self.max_model_len,
                                                          launcher, self._timings)
             weakref.finalize(self, self.tp.shutdown)  # no orphan workers if shutdown() is never called
         else:
-            self.runner = ModelRunner(config, self.model_path, self.arch, self.max_model_len)
+            self.runner = self._start_runners()
         bs = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         # A request can never hold more tokens than the pool, or it would preempt itself forever.
@@ -111,11 +113,26 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
                                   weights_bytes=self.runner.param_bytes,
                                   weights_format=(str(self.runner.dtype).removeprefix("torch."),
                                                   config.model.quantization or "none"),
-                                  kv_cache_bytes=sum(t.numel() * t.element_size()
-                                                     for kv in self.runner.kv_caches for t in kv))
+                                  kv_cache_bytes=sum(t.numel() * t.element_size() for r in self._runners
+                                                     for kv in r.kv_caches for t in kv))
         logger.info("engine ready in %.1f s: %s (%s), max_model_len %d, %d KV blocks x %d tokens, %s on %s",
                     time.monotonic() - started, self.model_path.name, self.arch.architecture, self.max_model_len,
                     self.runner.num_blocks, bs, self.runner.dtype, self.runner.device)
+
+    def _start_runners(self) -> ModelRunner:
+        """The target's runner, and a draft model's beside it (``self.drafter``) when one proposes."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return ModelRunner(self.config, self.model_path, self.arch, self.max_model_len)
+        path, arch = load_draft_arch(self.config, self.arch)
+        runner = ModelRunner(self.config, self.model_path, self.arch, self.max_model_len,
+                             pool_share=kv_width(self.arch) / (kv_width(self.arch) + kv_width(arch)))
+        self.drafter = DraftModel(self.config, path, arch, self.max_model_len, runner.num_blocks, runner.dtype)
+        return runner
+
+    @property
+    def _runners(self) -> list[ModelRunner]:
+        return [self.runner] if self.drafter is None else [self.runner, self.drafter.runner]
 
     @classmethod
     def from_options(cls, model: str, **options) -> "LLMEngine":
@@ -242,6 +259,11 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         if sched.empty:
             self._refresh_stats()
             return outputs
+        if sched.num_draft_tokens and self.drafter is not None:
+            td = time.perf_counter()
+            self.drafter.propose([c for c in sched.chunks if c.speculative])
+            if timings is not None:
+                timings["draft"] = timings.get("draft", 0.0) + time.perf_counter() - td
         try:
             reqs, tokens, logprobs, prompt = self.runner.execute(sched.chunks, timings, sched.num_draft_tokens > 0)
         except Exception as exc:

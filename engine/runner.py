@@ -62,16 +62,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, arch: ModelArch, max_model_len: int,
                  group: ParallelGroup | None = None, device: str | None = None,
-                 agree_blocks: Callable[[int, int], int] | None = None) -> None:
+                 agree_blocks: Callable[[int, int], int] | None = None, pool_share: float = 1.0) -> None:
         """``group``/``device``: this rank's place and device (default: alone, ``config.model.device``).
         ``agree_blocks(blocks, param_bytes)``: with tensor parallelism, the KV pool size every
-        rank can hold (each sizes its own from its memory)."""
+        rank can hold (each sizes its own from its memory). ``pool_share``: the part of the CPU
+        KV budget this model's pool takes (a draft model's pool of as many blocks takes the rest)."""
         self.config = config
         self.group = group or ParallelGroup()
         self.device = torch.device(device) if device is not None else resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
+        self.pool_share = pool_share
         heads = self.group.heads(arch.num_heads, arch.num_kv_heads)
         self.backend = create_backend(config.attention_backend, self.device, heads.q_count, heads.kv_count,
                                       arch.head_dim, self.block_size, self.dtype, config.cache.kv_cache_dtype)
@@ -185,6 +187,7 @@ class ModelRunner:
         if cache.kv_cache_memory_gb is None and self.device.type == "cuda":
             return self._gpu_pool_size(per_block, ceiling)
         budget = (cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_GB) * (1 << 30)
+        budget *= self.pool_share
         blocks = min(int(budget // per_block), ceiling)
         if blocks < 2:
             raise ValueError(f"KV cache budget {budget / (1 << 30):.3f} GiB holds fewer than 2 blocks "

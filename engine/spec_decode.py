@@ -3,8 +3,9 @@
 A decoding request that gets a draft of k tokens runs as one chunk of 1 + k tokens (its last
 token, then the draft: ``DraftChunk``) in the same step as everyone else; the runner returns
 logits for all 1 + k positions and engine.spec_verify keeps the longest prefix of the draft the
-target model agrees with, plus the target's own next token. The proposer (``NgramProposer``)
-never changes what the target would have said, only how many of its tokens one step yields.
+target model agrees with, plus the target's own next token. The proposer (``NgramProposer``, or
+a draft model that fills the reserved draft after scheduling: engine.spec_draft) never changes
+what the target would have said, only how many of its tokens one step yields.
 
 KV: the scheduler reserves the draft's slots like any chunk's (``Speculator.draft_chunk``, from
 free blocks only: a draft never preempts anyone); after the step the request's computed count
@@ -84,7 +85,7 @@ class NgramProposer:
 class _DraftState:
     """Per request: its tokens as an array (grown as it generates) and its back-off."""
 
-    __slots__ = ("tokens", "filled", "eligible", "misses", "cooldown")
+    __slots__ = ("tokens", "filled", "eligible", "misses", "cooldown", "draft_valid", "draft_preemptions")
 
     def __init__(self, req: Request) -> None:
         p = req.params
@@ -94,6 +95,8 @@ class _DraftState:
         self.filled = 0
         self.misses = 0
         self.cooldown = 0
+        self.draft_valid = 0  # a draft model's KV holds this many of its tokens (engine.spec_draft)
+        self.draft_preemptions = 0
 
     def array(self, token_ids: list[int]) -> np.ndarray:
         n = len(token_ids)
@@ -113,7 +116,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.method == "ngram" else None)
+        """None: a draft model proposes, after scheduling (engine.spec_draft)."""
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -153,6 +158,8 @@ class Speculator:
         return k
 
     def _propose(self, req: Request, k: int) -> list[int]:
+        if self.proposer is None:  # placeholders: the draft model writes them before the step runs
+            return [0] * k
         return self.proposer.propose(req.spec.array(req.token_ids), k)
 
     def _reserve(self, req: Request, start: int, k: int, num_running: int) -> int:

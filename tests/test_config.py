@@ -291,5 +291,5 @@ def test_app_config_engine_section_takes_speculative_config():
 
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     assert AppConfig(engine={"speculative_config": spec}).engine == {"speculative_config": spec}
-    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram', got 'eagle3'"):
+    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram' or 'draft_model', got 'eagle3'"):
         AppConfig(engine={"speculative_config": {**spec, "method": "eagle3"}})

@@ -31,9 +31,10 @@ BASE = dict(dtype="float32", block_size=8, num_kv_blocks=128, max_num_seqs=4, ma
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def _copying(arch: str, vocab: int):
-    """A tiny HF model whose greedy next token is mostly a fixed successor of the current one."""
-    model = make_model(arch, seed=3, vocab_size=vocab)
+def _copying(arch: str, vocab: int, seed: int = 3, layers: int = 2):
+    """A tiny HF model whose greedy next token is mostly a fixed successor of the current one (the
+    same successors whatever ``seed`` draws for the rest of its weights)."""
+    model = make_model(arch, seed=seed, vocab_size=vocab, layers=layers)
     order = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))
     successor = torch.empty(vocab, dtype=torch.long)
     for i in range(0, vocab, PERIOD):
@@ -130,7 +131,7 @@ def test_ngram_proposer_respects_min_n_and_finds_nothing_without_a_match():
 
 def test_config_names_the_field_and_what_is_allowed():
     assert EngineConfig.from_options("m").speculative_config is None  # off by default
-    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram', got 'eagle3'"):
+    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram' or 'draft_model', got 'eagle3'"):
         EngineConfig.from_options("m", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in \\[1, 16\\]"):
         EngineConfig.from_options("m", speculative_config={"method": "ngram", "num_speculative_tokens": 0})

@@ -1,0 +1,118 @@
+"""Speculative decoding with a draft model: a smaller model of the same tokenizer proposes each
+verifying request's k tokens, greedily, just before the target's step verifies them.
+
+The draft has its own paged KV cache with as many blocks as the target's, and a request's
+draft KV lives in the blocks the target's block manager gave it (the same ids, another pool), so
+the scheduler's reservations (engine.spec_decode) cover both and nothing else is allocated or
+freed. The draft's KV is caught up lazily: a request remembers how far its draft KV is valid,
+and its first proposal pass computes everything after that (the whole prompt the first time, one
+or two tokens after a verified step), then k - 1 one-token passes follow. Positions written
+with draft tokens the target rejected are beyond what stays valid and are rewritten later.
+Requests that never speculate (back-off, logprobs, grammars ...) cost the draft nothing.
+
+Drafts are only proposals: whatever the draft says, engine.spec_verify keeps exactly the tokens
+the target would have produced, so the draft's numerics never change an output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.model import ModelArch
+from engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _DraftPass(ScheduledChunk):
+    """One request's tokens in a draft pass: explicit tokens (drafts are not the request's yet)."""
+
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        return True
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens
+
+
+def kv_width(arch: ModelArch) -> int:
+    """Per token: what a model's KV cache holds across its layers, in head elements."""
+    return arch.num_layers * arch.num_kv_heads * arch.head_dim
+
+
+def load_draft_arch(config: EngineConfig, target: ModelArch) -> tuple[Path, ModelArch]:
+    """The draft model's directory and shape, checked against the target's."""
+    from engine.models_hub import resolve_model
+
+    from engine.runner import resolve_device
+
+    spec = config.speculative_config
+    if resolve_device(config.model.device).type != "cpu":
+        raise ModelLoadError("speculative_config method 'draft_model' runs on CPU for now: on a GPU the draft's "
+                             "weights and KV pool are not in the memory budget yet (use method 'ngram')")
+    path = Path(resolve_model(spec.model))
+    arch = ModelArch.from_dir(path)
+    if arch.vocab_size > target.vocab_size:
+        raise ModelLoadError(f"speculative_config.model {spec.model!r} has a vocabulary of {arch.vocab_size} "
+                             f"tokens, more than the target's {target.vocab_size}: it must share its tokenizer")
+    return path, arch
+
+
+class DraftModel:
+    """The draft model's runner and its proposals (``propose``), owned by the engine."""
+
+    def __init__(self, config: EngineConfig, path: Path, arch: ModelArch, max_model_len: int,
+                 num_blocks: int, dtype: torch.dtype) -> None:
+        from engine.runner import ModelRunner
+
+        spec = config.speculative_config
+        if arch.max_position_embeddings < max_model_len:
+            raise ModelLoadError(f"speculative_config.model {spec.model!r} reaches {arch.max_position_embeddings} "
+                                 f"positions, fewer than max_model_len ({max_model_len})")
+        model = dataclasses.replace(config.model, model=spec.model, quantization=spec.quantization, gguf_file=None,
+                                    dtype=str(dtype).removeprefix("torch."))
+        draft_config = dataclasses.replace(
+            config, model=model, lora=None, speculative_config=None,
+            cache=dataclasses.replace(config.cache, num_kv_blocks=num_blocks, kv_cache_memory_gb=None))
+        self.runner = ModelRunner(draft_config, path, arch, max_model_len)
+        logger.info("draft model %s: %d layers, %d KV blocks beside the target's", path.name, arch.num_layers,
+                    num_blocks)
+
+    @torch.inference_mode()
+    def propose(self, chunks: list) -> None:
+        """Fill each verifying chunk's ``draft_token_ids`` (placeholders, as many as it reserved)
+        with the draft model's greedy tokens after the request's last token."""
+        runner = self.runner
+        passes = []
+        for c in chunks:
+            req, state = c.request, c.request.spec
+            if state.draft_preemptions != req.timing.num_preemptions:  # its blocks were freed: nothing holds
+                state.draft_preemptions, state.draft_valid = req.timing.num_preemptions, 0
+            done = min(state.draft_valid, c.start)
+            passes.append(_DraftPass(req, done, c.start + 1 - done, 0, req.token_ids[done:c.start + 1]))
+        live = list(zip(chunks, passes))
+        for j in range(max(len(c.draft_token_ids) for c in chunks)):
+            step = [p for _, p in live]
+            sampling, input_ids, positions, meta, logits_idx = runner.prepare(step)
+            logits = runner._forward(input_ids, positions, meta, logits_idx)
+            best = logits[:len(sampling)].argmax(dim=-1).tolist()
+            token_of = {id(p): t for p, t in zip(sampling, best)}
+            following = []
+            for c, p in live:
+                c.draft_token_ids[j] = tok = token_of[id(p)]
+                if j + 1 < len(c.draft_token_ids):
+                    following.append((c, _DraftPass(c.request, c.start + 1 + j, 1, 0, [tok])))
+                else:  # its last draft token's KV is never needed: the target verifies it
+                    c.request.spec.draft_valid = c.start + len(c.draft_token_ids)
+            live = following
