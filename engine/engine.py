@@ -36,7 +36,7 @@ from engine.scheduler import Scheduler
 from engine.spec_decode import Speculator
 from engine.spec_draft import DraftModel, kv_width, load_draft_arch
 from engine.spec_verify import EngineSpeculation
-from engine.structured import GrammarBook
+from engine.structured import GrammarBook, grammar_step
 
 logger = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 128
@@ -53,15 +53,6 @@ def _generation_eos_ids(path: Path) -> set[int]:
     except (OSError, json.JSONDecodeError):
         return set()
     return set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-
-
-def _grammar_step(req: Request, tok: int) -> str | None:
-    """Advance a request's grammar by its sampled token: "stop" once the grammar is complete."""
-    if not req.matcher.consume_token(tok):  # its mask allowed only EOS: the matcher failed (a limit hit)
-        logger.error("request %s: token %d refused by its grammar (%s); ending it", req.request_id, tok,
-                     req.matcher.get_error())
-        return FINISH_ABORT
-    return FINISH_STOP if req.matcher.is_stopped() else None
 
 
 class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
@@ -311,7 +302,7 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         p = req.params
         reason = None
         if req.matcher is not None:
-            reason = _grammar_step(req, tok)
+            reason = grammar_step(req, tok)
         if reason != FINISH_ABORT and n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
             reason, req.stop_token_id = FINISH_STOP, tok
         if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)

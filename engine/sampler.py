@@ -76,6 +76,8 @@ class SamplingBatch:
     any_logit_bias: bool
     any_structured: bool
     max_logprobs: int | None
+    offsets: list[int] | None = None
+    """Per row, the draft tokens before it (engine.spec_verify); None: one row per request."""
 
     @classmethod
     def build(cls, requests: list[Request], device: torch.device, offsets: list[int] | None = None) -> "SamplingBatch":
@@ -106,7 +108,7 @@ class SamplingBatch:
             any_min_tokens=bool(some & _MIN_TOKENS) and any(r.num_output_tokens < r.params.min_tokens
                                                             for r in requests),
             any_structured=any(r.matcher is not None for r in requests),
-            max_logprobs=most_logprobs if most_logprobs >= 0 else None,
+            max_logprobs=most_logprobs if most_logprobs >= 0 else None, offsets=offsets,
         )
 
 
@@ -131,11 +133,11 @@ class Sampler:
         if batch.any_structured:
             # First: on a GPU nothing before it waits for the forward, so the host fills the
             # grammar masks while the device still computes the logits.
-            logits = mask_logits(logits, batch.requests)
+            logits = mask_logits(logits, batch.requests, batch.offsets)
         if batch.any_logit_bias:
             logits = apply_logit_bias(logits, batch.requests)
         if batch.any_penalty:
-            logits = apply_penalties(logits, batch.requests)
+            logits = apply_penalties(logits, batch.requests, batch.offsets)
         if batch.any_min_tokens:
             logits = suppress_stop_tokens(logits, batch.requests)
         if batch.all_greedy:
@@ -190,8 +192,9 @@ def _top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """vLLM semantics: repetition over prompt + output, presence / frequency over output only."""
+def apply_penalties(logits: torch.Tensor, requests: list[Request], offsets: list[int] | None = None) -> torch.Tensor:
+    """vLLM semantics: repetition over prompt + output, presence / frequency over output only.
+    ``offsets``: a row after j draft tokens counts them as output (engine.spec_verify)."""
     n, vocab = logits.shape
     dev = logits.device
     out_counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
@@ -204,11 +207,12 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         if not p.uses_penalties:
             continue
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        out = r.output_token_ids
+        drafted = r.spec.drafts[:offsets[i]] if offsets is not None and offsets[i] else []
+        out = r.output_token_ids + drafted
         if out:
             ids = torch.tensor(out, dtype=torch.int64, device=dev)
             out_counts[i].index_add_(0, ids, torch.ones(len(out), device=dev))
-        seen[i, torch.tensor(r.token_ids, dtype=torch.int64, device=dev)] = True
+        seen[i, torch.tensor(r.token_ids + drafted, dtype=torch.int64, device=dev)] = True
     logits = logits.clone()
     penalised = torch.where(logits > 0, logits / rep.unsqueeze(1), logits * rep.unsqueeze(1))
     logits = torch.where(seen, penalised, logits)

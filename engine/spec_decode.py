@@ -12,9 +12,12 @@ free blocks only: a draft never preempts anyone); after the step the request's c
 covers only accepted tokens, so only their full blocks reach the prefix cache, and blocks past
 what the request holds in tokens go back to the pool (``Speculator.trim``).
 
-Not speculated (a plain decode, exactly as without speculation): requests with logprobs or
-prompt logprobs, penalties, a grammar or a LoRA adapter, and requests still short of
-``min_tokens``. Back-off: no drafts in a step with more than ``disable_by_batch_size`` running;
+Drafts of a request with a grammar are cut where the grammar would refuse them, and its
+matcher gives each draft row the mask after the drafts before it, then rolls back
+(engine.structured.mask_logits); penalties count a row's earlier drafts as output, and logprobs
+come per row, as each position would have had them. Not speculated (a plain decode, exactly as
+without speculation): requests still short of ``min_tokens``, and with a draft model, requests
+with a grammar. Back-off: no drafts in a step with more than ``disable_by_batch_size`` running;
 a request whose draft is wholly rejected waits 2, 4, ... up to ``MAX_COOLDOWN`` decode steps
 before it drafts again (any accepted token resets it).
 """
@@ -85,12 +88,12 @@ class NgramProposer:
 class _DraftState:
     """Per request: its tokens as an array (grown as it generates) and its back-off."""
 
-    __slots__ = ("tokens", "filled", "eligible", "misses", "cooldown", "draft_valid", "draft_preemptions")
+    __slots__ = ("tokens", "filled", "eligible", "misses", "cooldown", "drafts", "draft_valid", "draft_preemptions")
 
-    def __init__(self, req: Request) -> None:
-        p = req.params
-        self.eligible = (p.logprobs is None and p.prompt_logprobs is None and not p.uses_penalties
-                         and req.matcher is None and req.lora_name is None)
+    def __init__(self, req: Request, model_drafts: bool) -> None:
+        # A draft model's tokens are written after scheduling, too late to check them against a grammar.
+        self.eligible = req.matcher is None or not model_drafts
+        self.drafts: list[int] = []  # the draft being verified (the sampler's rows after it read it)
         self.tokens = np.empty(max(64, 2 * len(req.token_ids)), dtype=np.int64)
         self.filled = 0
         self.misses = 0
@@ -135,17 +138,20 @@ class Speculator:
         start = req.num_computed_tokens
         k = self._room(req, budget)
         drafts = self._propose(req, k) if k > 0 else []
+        if drafts and req.matcher is not None:  # only what the grammar allows (it rolls back after)
+            drafts = drafts[:req.matcher.validate_tokens(drafts)]
         if drafts:
             drafts = drafts[:self._reserve(req, start, len(drafts), num_running)]
         if not drafts:
             return ScheduledChunk(req, start, 1)
+        req.spec.drafts = drafts
         return DraftChunk(req, start, 1 + len(drafts), 0, drafts)
 
     def _room(self, req: Request, budget: int) -> int:
         """Most draft tokens worth verifying: all but the one the target adds must fit its limits."""
         state = req.spec
         if state is None:
-            state = req.spec = _DraftState(req)
+            state = req.spec = _DraftState(req, self.proposer is None)
         if (not state.eligible or req.num_output_tokens < max(1, req.params.min_tokens)
                 or req.num_tokens - req.num_computed_tokens != 1):  # only a decode: its last token alone
             return 0

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import time
 
-from engine.outputs import FINISH_LENGTH, FINISH_STOP, StreamOutput
+from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, StreamOutput
 from engine.request import Request, RequestStatus
+from engine.structured import grammar_step
 
 
 def draft_rows(sampling: list) -> tuple[list[Request], list[int]]:
@@ -57,26 +58,27 @@ class EngineSpeculation:
                 plain.append((req, tokens[i], logprobs[i]))
                 i += 1
                 continue
-            drafts, sampled = chunk.draft_token_ids, tokens[i:i + chunk.num_tokens]
+            rows = slice(i, i + chunk.num_tokens)
+            drafts, sampled, lps = chunk.draft_token_ids, tokens[rows], logprobs[rows]
             i += chunk.num_tokens
             m = accepted_prefix(sampled, drafts)
             speculator.record(req, len(drafts), m)
             kept, reason = _extend(req, sampled[:m + 1])
             # Computed now: the last token and the drafts kept (the rest's KV slots are rewritten later).
             chunk.num_tokens = 1 + min(kept, m)
-            verified.append((req, kept, reason))
+            verified.append((req, kept, reason, lps[:kept] if req.params.logprobs is not None else None))
         # With the kept drafts in token_ids, the blocks they fill are published to the prefix cache.
         self.scheduler.after_step(sched)
         now = time.monotonic()
         for req, tok, lp in plain:
             outputs.append(self._append_token(req, tok, lp, now))
         generated = len(plain)
-        for req, kept, reason in verified:
+        for req, kept, reason, lps in verified:
             if reason is not None:
                 self.finish(req, reason, now)
             elif req.status is RequestStatus.RUNNING:
                 speculator.trim(req)
-            outputs.append(self._output(req, req.token_ids[-kept:], None))
+            outputs.append(self._output(req, req.token_ids[-kept:], lps))
             generated += kept
         return generated
 
@@ -89,17 +91,23 @@ class EngineSpeculation:
 
 
 def _extend(req: Request, new: list[int]) -> tuple[int, str | None]:
-    """Append tokens as ``LLMEngine._append_token`` would one at a time, stopping at the first that
-    ends the request (tokens after it are dropped); returns (tokens kept, finish reason)."""
+    """Append tokens as ``LLMEngine._append_token`` would one at a time (its grammar advanced by each),
+    stopping at the first that ends the request (tokens after it are dropped); returns (tokens
+    kept, finish reason)."""
     token_ids, p = req.token_ids, req.params
     kept = 0
     for tok in new:
         token_ids.append(tok)
         kept += 1
         n_out = len(token_ids) - req.num_prompt_tokens
+        grammar = grammar_step(req, tok) if req.matcher is not None else None
+        if grammar == FINISH_ABORT:
+            return kept, grammar
         if n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
             req.stop_token_id = tok
             return kept, FINISH_STOP
+        if grammar is not None:
+            return kept, grammar
         if (p.max_tokens is not None and n_out >= p.max_tokens) or len(token_ids) >= req.max_total_tokens:
             return kept, FINISH_LENGTH
     return kept, None

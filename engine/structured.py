@@ -14,6 +14,7 @@ complete the matcher allows only EOS, and the request ends with finish reason "s
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
@@ -22,7 +23,10 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from engine.errors import InvalidRequestError
+from engine.outputs import FINISH_ABORT, FINISH_STOP
 from engine.validation import Bool, Text, validated
+
+logger = logging.getLogger(__name__)
 
 MAX_SPEC_CHARS = 64 * 1024
 """Longest schema, regex or grammar accepted (its JSON text, for a schema)."""
@@ -166,16 +170,36 @@ _NEG_INF_BITS = -(1 << 23)
 """0xFF800000 as an int32: the bit pattern of float32 -inf."""
 
 
-def mask_logits(logits, requests):
+def grammar_step(req, tok: int) -> str | None:
+    """Advance a request's grammar by its sampled token: FINISH_STOP once the grammar is complete,
+    FINISH_ABORT when the matcher refused it (a limit hit), else None."""
+    if not req.matcher.consume_token(tok):  # its mask allowed only EOS: the matcher failed (a limit hit)
+        logger.error("request %s: token %d refused by its grammar (%s); ending it", req.request_id, tok,
+                     req.matcher.get_error())
+        return FINISH_ABORT
+    return FINISH_STOP if req.matcher.is_stopped() else None
+
+
+def mask_logits(logits, requests, offsets=None):
     """Each constrained row of ``logits`` limited to the tokens its matcher allows, in place (so the
-    step's peak memory stays the sampler's filters', which the memory budget measures)."""
+    step's peak memory stays the sampler's filters', which the memory budget measures).
+
+    ``offsets`` (a step verifying drafts, engine.spec_verify): a request's row at offset j samples
+    after its first j draft tokens, so its mask is the matcher's after them. The matcher is advanced
+    through the drafts (checked against the grammar when they were proposed) and rolled back."""
     import llguidance.torch as llt
     import torch
 
     rows = [i for i, r in enumerate(requests) if r.matcher is not None]
     bitmask = llt.allocate_token_bitmask(len(rows), logits.shape[1])
     for j, i in enumerate(rows):
-        llt.fill_next_token_bitmask(requests[i].matcher, bitmask, j)
+        matcher = requests[i].matcher
+        ahead = offsets[i] if offsets is not None else 0
+        if ahead:
+            matcher.consume_token(requests[i].spec.drafts[ahead - 1])
+        llt.fill_next_token_bitmask(matcher, bitmask, j)
+        if ahead and (i + 1 == len(requests) or offsets[i + 1] == 0):  # the request's last row
+            matcher.rollback(ahead)
     index = torch.tensor(rows)
     if logits.is_cuda:  # pinned, so neither copy waits for the device
         bitmask, index = (t.pin_memory().to(logits.device, non_blocking=True) for t in (bitmask, index))

@@ -270,26 +270,10 @@ def test_rejection_sampling_keeps_the_target_distribution():
 # ---------------------------------------------------------------------------- who speculates
 
 
-def test_excluded_requests_and_back_off_decode_one_token_a_step(copy_model):
+def test_no_drafts_while_more_run_than_disable_by_batch_size(copy_model):
+    """(Which requests draft at all: tests/test_spec_features.py.)"""
     path, prompt, _ = copy_model  # a prompt whose output is a cycle its tail already holds
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    excluded = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
-                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=1),
-                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2),
-                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=20)]
-    llm = LLM(str(path), **BASE, speculative_config=NGRAM)
-    outs = llm.generate([{"prompt_token_ids": prompt}] * 5, [plain, *excluded])
-    assert outs[0].timing.num_accepted_tokens > 0
-    assert [o.timing.num_drafts for o in outs[1:]] == [0, 0, 0, 0]
-    # Grammars and LoRA adapters: not drafted either (their request state decides, before any step).
-    spec = llm.engine.scheduler.speculator
-    for attr, value in (("index", 0), ("matcher", object()), ("lora_name", "sql")):  # index: a control
-        req = Request("x", prompt, plain, 0, 0, 1000, 0, frozenset())
-        req.token_ids.append(1)  # its first output token
-        req.num_computed_tokens = len(prompt)
-        setattr(req, attr, value)
-        assert spec._room(req, 64) == (4 if attr == "index" else 0)
-    llm.engine.block_manager.check_invariants()
     # More running than disable_by_batch_size: no step drafts (four requests that run side by side).
     prompts = [prompt] * 4
     for limit, drafted in ((3, False), (4, True)):
