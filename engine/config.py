@@ -218,8 +218,10 @@ class EngineConfig:
     @classmethod
     def _speculation_alone(cls, value: SpeculativeConfig | None, info: ValidationInfo) -> SpeculativeConfig | None:
         parallel = info.data.get("parallel")
-        if value is not None and parallel is not None and parallel.tensor_parallel_size > 1:
-            raise ValueError("is not supported with tensor_parallel_size > 1 yet")
+        if (value is not None and value.method == "draft_model" and parallel is not None
+                and parallel.tensor_parallel_size > 1):
+            raise ValueError("method 'draft_model' is not supported with tensor_parallel_size > 1 yet "
+                             "(method 'ngram' is)")
         return value
 
     @classmethod

@@ -311,6 +311,6 @@ class ModelRunner:
     def follow(self, chunks: list) -> None:
         """A step rank 0 scheduled, on another tensor-parallel rank: the same inputs and the same
         collectives; the logits go to rank 0, which samples."""
-        _, input_ids, positions, meta, logits_idx = self.prepare(chunks)
+        _, input_ids, positions, meta, logits_idx = self.prepare(chunks, any(c.speculative for c in chunks))
         self.backend.plan(meta)
         self.model(input_ids, positions, self.kv_caches, meta, logits_idx)

@@ -137,8 +137,10 @@ def test_config_names_the_field_and_what_is_allowed():
         EngineConfig.from_options("m", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="prompt_lookup_max must be >= prompt_lookup_min"):
         EngineConfig.from_options("m", speculative_config={**NGRAM, "prompt_lookup_min": 4})
-    with pytest.raises(ValueError, match="speculative_config is not supported with tensor_parallel_size > 1"):
-        EngineConfig.from_options("m", speculative_config=NGRAM, tensor_parallel_size=2)
+    assert EngineConfig.from_options("m", speculative_config=NGRAM, tensor_parallel_size=2).speculative_config
+    with pytest.raises(ValueError, match="method 'draft_model' is not supported with tensor_parallel_size > 1"):
+        EngineConfig.from_options("m", tensor_parallel_size=2, speculative_config={
+            "method": "draft_model", "model": "d", "num_speculative_tokens": 2})
 
 
 # ---------------------------------------------------------------------------- exact greedy output

@@ -134,3 +134,26 @@ def test_a_draft_row_is_penalised_as_a_decode_after_its_drafts_would_be():
         want = apply_penalties(logits[j:j + 1], [request(output + drafts[:j])])
         torch.testing.assert_close(got[j:j + 1], want, rtol=0, atol=0)
     assert not torch.equal(got[1], apply_penalties(logits[1:2], [req])[0])  # the drafts do count
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_ranks_verify_drafts_alike(copy_model):
+    """With tensor_parallel_size 2 every rank's LM head computes a row per draft position (the step
+    message says which chunks verify drafts): the output is TP=1's without drafts, under preemption,
+    logprobs and sampling included."""
+    path = copy_model[0]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    prompts = _prompts(24, (20, 26, 30))
+    want, _ = _run(path, prompts, params, num_kv_blocks=16)
+    llm = LLM(str(path), **{**BASE, "num_kv_blocks": 16}, tensor_parallel_size=2, speculative_config=NGRAM)
+    try:
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    assert _tokens(got) == _tokens(want)
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
+    for a, b in zip(want[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
+        assert sorted(a) == sorted(b) and all(abs(a[t] - b[t]) < 1e-4 for t in a)

@@ -1,7 +1,9 @@
 """The step message rank 0 sends the other ranks: compact, and block tables as deltas.
 
 Per chunk: ``key, start, num_tokens, samples, kept, num_new, scored_from, scored_to, lora_slot`` then
-this step's token ids, then the block ids appended since the previous step. ``scored_*``: the
+this step's token ids, then the block ids appended since the previous step. ``samples``: bit 0,
+the chunk yields logits; bit 1, at every position (it verifies drafts: engine.spec_decode, so every
+rank's LM head computes the same rows). ``scored_*``: the
 positions whose logits score prompt tokens (``prompt_logprob_positions``): every rank's LM
 head computes the same rows, since rank 0 gathers them. ``kept`` is how many leading blocks
 the receiver keeps from what it holds for ``key`` (a request's ``seq_no``); a request whose
@@ -29,6 +31,7 @@ class RemoteChunk:
     block_ids: list[int]
     prompt_logprob_positions: range = range(0)
     lora_slot: int = -1
+    speculative: bool = False
     request: None = None
 
 
@@ -53,8 +56,8 @@ class StepEncoder:
             kept = prev[1] if prev is not None and prev[0] is blocks and prev[1] <= need else 0
             new = blocks[kept:need]
             scored = c.prompt_logprob_positions
-            out += (key, c.start, c.num_tokens, int(c.samples), kept, len(new), scored.start, scored.stop,
-                    c.lora_slot)
+            out += (key, c.start, c.num_tokens, int(c.samples) | (2 if c.speculative else 0), kept, len(new),
+                    scored.start, scored.stop, c.lora_slot)
             out += c.token_ids
             out += new
             sent[key] = (blocks, need)
@@ -84,8 +87,8 @@ class StepDecoder:
             blocks.extend(msg[i:i + num_new])
             i += num_new
             blocks_now[key] = blocks
-            chunks.append(RemoteChunk(start, num_tokens, bool(samples), tokens, blocks, range(scored_from, scored_to),
-                                      lora_slot))
+            chunks.append(RemoteChunk(start, num_tokens, bool(samples & 1), tokens, blocks,
+                                      range(scored_from, scored_to), lora_slot, bool(samples & 2)))
         if i != len(msg):
             raise RuntimeError(f"step message has {len(msg)} ints, decoded {i}")
         self._blocks = blocks_now
