@@ -97,8 +97,10 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_serve_config(path: str | Path, http_port: int | None = None, grpc_port: int | None = None) -> dict:
-    """A Serve config file, checked by Serve's own schema, with optional port overrides."""
+def load_serve_config(path: str | Path, http_port: int | None = None, grpc_port: int | None = None,
+                      speculative_config: dict | None = None) -> dict:
+    """A Serve config file, checked by Serve's own schema, with optional port overrides and an
+    engine ``speculative_config`` for every application (checked when the app is built)."""
     import yaml
     from ray.serve.schema import HTTPOptionsSchema, ServeDeploySchema, gRPCOptionsSchema
 
@@ -121,7 +123,21 @@ def load_serve_config(path: str | Path, http_port: int | None = None, grpc_port:
         if app.get("deployments"):
             raise ValueError(f"{path}: application {app.get('name')!r} has per-deployment overrides, which "
                              "`slotserve serve` does not apply; put them in args, or use `serve run`")
+        if speculative_config is not None:
+            args = app.setdefault("args", None) or {}
+            app["args"] = {**args, "engine": {**(args.get("engine") or {}), "speculative_config": speculative_config}}
     return config
+
+
+def _json_object(text: str) -> dict:
+    """An argparse type: a JSON object (vLLM's ``--speculative-config`` takes the same)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _import_path(path: str):
@@ -139,7 +155,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = load_serve_config(args.config, args.http_port, args.grpc_port)
+    config = load_serve_config(args.config, args.http_port, args.grpc_port, args.speculative_config)
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
@@ -221,6 +237,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=DEFAULT_CONFIG, help=f"Serve config file (default {DEFAULT_CONFIG})")
     s.add_argument("--http-port", type=int, help="override http_options.port")
     s.add_argument("--grpc-port", type=int, help="override grpc_options.port")
+    s.add_argument("--speculative-config", type=_json_object, metavar="JSON",
+                   help="the engines' speculative_config, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                        "(vLLM's names; docs/SPECULATIVE.md)")
     s.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     s.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
     s.add_argument("--metrics-port", type=int, help="Ray's Prometheus metrics port (default: Ray picks a free one)")

@@ -161,6 +161,10 @@ class SpeculativeConfig:
     """Shortest suffix n-gram matched."""
     prompt_lookup_max: Int = Field(5, ge=1, le=64)
     """Longest suffix n-gram matched (longer matches are preferred)."""
+    cost_model: Bool = True
+    """Draft only where it pays: per request, the positions whose acceptance so far is worth the
+    step time they add, by step times measured as the engine runs (engine.spec_cost). False: draft
+    all k whenever a draft is found (up to ``disable_by_batch_size``)."""
     disable_by_batch_size: Int | None = Field(8, ge=1)
     """No drafts in a step while more requests than this run: a full batch reads its weights for
     many tokens already, and rejected drafts would cost it compute. None: always draft."""

@@ -250,11 +250,13 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         if sched.empty:
             self._refresh_stats()
             return outputs
+        costs = self.scheduler.speculator.costs if self.scheduler.speculator is not None else None
         if sched.num_draft_tokens and self.drafter is not None:
             td = time.perf_counter()
-            self.drafter.propose([c for c in sched.chunks if c.speculative])
+            self.drafter.propose([c for c in sched.chunks if c.speculative], costs)
             if timings is not None:
                 timings["draft"] = timings.get("draft", 0.0) + time.perf_counter() - td
+        tx = time.perf_counter()
         try:
             reqs, tokens, logprobs, prompt = self.runner.execute(sched.chunks, timings, sched.num_draft_tokens > 0)
         except Exception as exc:
@@ -262,6 +264,8 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
                 raise self.tp.fail(exc) from exc
             raise
         t1 = time.perf_counter()
+        if costs is not None:
+            costs.target.observe(sched.num_batched_tokens, t1 - tx)
         for req, entries in prompt:
             req.prompt_logprobs.extend(entries)
         if sched.num_draft_tokens:
@@ -324,8 +328,12 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
             self._stats.num_finished += 1
         self.scheduler.remove(req)
         req.finish_reason = reason
-        req.timing.finished_time = now or time.monotonic()
-        req.record(req.timing.finished_time, "finished", reason, req.num_output_tokens)
+        timing = req.timing
+        timing.finished_time = now or time.monotonic()
+        if timing.num_drafts:
+            req.record(timing.finished_time, "speculated", timing.num_drafts, timing.num_draft_tokens,
+                       timing.num_accepted_tokens)
+        req.record(timing.finished_time, "finished", reason, req.num_output_tokens)
 
     def _output(self, req: Request, new_ids: list[int], lps: list | None,
                 choices_running: int | None = None) -> StreamOutput:

@@ -22,6 +22,7 @@ AUDIT_DETAILS: dict[str, tuple[str, ...]] = {
     "preempted": ("reason", "tokens"),       # tokens: computed tokens dropped, to be recomputed
     "resumed": ("cached_tokens",),           # readmitted after a preemption
     "first_token": (),
+    "speculated": ("drafts", "draft_tokens", "accepted_tokens"),  # at the end, if it drafted (engine.spec_decode)
     "finished": ("reason", "tokens"),        # tokens: output tokens
 }
 MAX_AUDIT_EVENTS = 256

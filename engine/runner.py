@@ -308,6 +308,13 @@ class ModelRunner:
         return reqs, tokens, logprobs, prompt
 
     @torch.inference_mode()
+    def greedy(self, chunks: list) -> dict[int, int]:
+        """Each chunk's greedy next token, by ``id(chunk)``: a draft model's proposals (engine.spec_draft)."""
+        sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks)
+        best = self._forward(input_ids, positions, meta, logits_idx)[:len(sampling)].argmax(dim=-1).tolist()
+        return {id(c): token for c, token in zip(sampling, best)}
+
+    @torch.inference_mode()
     def follow(self, chunks: list) -> None:
         """A step rank 0 scheduled, on another tensor-parallel rank: the same inputs and the same
         collectives; the logits go to rank 0, which samples."""

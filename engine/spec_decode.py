@@ -17,9 +17,11 @@ matcher gives each draft row the mask after the drafts before it, then rolls bac
 (engine.structured.mask_logits); penalties count a row's earlier drafts as output, and logprobs
 come per row, as each position would have had them. Not speculated (a plain decode, exactly as
 without speculation): requests still short of ``min_tokens``, and with a draft model, requests
-with a grammar. Back-off: no drafts in a step with more than ``disable_by_batch_size`` running;
-a request whose draft is wholly rejected waits 2, 4, ... up to ``MAX_COOLDOWN`` decode steps
-before it drafts again (any accepted token resets it).
+with a grammar. Back-off: no drafts in a step with more than ``disable_by_batch_size`` running; with
+``cost_model`` (the default) a request drafts only the positions its acceptance so far makes worth
+the step time they add, by step times measured as the engine runs (engine.spec_cost); a request
+whose draft is wholly rejected waits 2, 4, ... up to ``MAX_COOLDOWN`` decode steps before it
+drafts again (any accepted token resets it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from engine.config import SpeculativeConfig
 from engine.kv.block_manager import BlockManager
 from engine.request import Request
 from engine.scheduler import ScheduledChunk
+from engine.spec_cost import StepCosts
 
 MAX_COOLDOWN = 32
 """Most decode steps a request whose drafts keep failing waits before it drafts again."""
@@ -88,7 +91,8 @@ class NgramProposer:
 class _DraftState:
     """Per request: its tokens as an array (grown as it generates) and its back-off."""
 
-    __slots__ = ("tokens", "filled", "eligible", "misses", "cooldown", "drafts", "draft_valid", "draft_preemptions")
+    __slots__ = ("tokens", "filled", "eligible", "misses", "cooldown", "drafts", "draft_valid", "draft_preemptions",
+                 "accepted", "rejections")
 
     def __init__(self, req: Request, model_drafts: bool) -> None:
         # A draft model's tokens are written after scheduling, too late to check them against a grammar.
@@ -98,6 +102,8 @@ class _DraftState:
         self.filled = 0
         self.misses = 0
         self.cooldown = 0
+        self.accepted = 0    # draft tokens accepted, and drafts cut short by a rejection: p = a / (a + r)
+        self.rejections = 0
         self.draft_valid = 0  # a draft model's KV holds this many of its tokens (engine.spec_draft)
         self.draft_preemptions = 0
 
@@ -122,9 +128,12 @@ class Speculator:
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.method == "ngram" else None)
         """None: a draft model proposes, after scheduling (engine.spec_draft)."""
+        self.costs = StepCosts() if config.cost_model else None
+        """Step times, which the engine and the draft model feed (engine.spec_cost); None: no cost model."""
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_rejections = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
     def active(self, num_running: int) -> bool:
@@ -137,6 +146,8 @@ class Speculator:
         when one is found and fits the budget, the request's limits and the free blocks."""
         start = req.num_computed_tokens
         k = self._room(req, budget)
+        if k > 0 and self.costs is not None:
+            k = self._worth(req, k, num_running)
         drafts = self._propose(req, k) if k > 0 else []
         if drafts and req.matcher is not None:  # only what the grammar allows (it rolls back after)
             drafts = drafts[:req.matcher.validate_tokens(drafts)]
@@ -162,6 +173,20 @@ class Speculator:
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         return k
+
+    def _worth(self, req: Request, k: int, num_running: int) -> int:
+        """Draft positions (of up to ``k``) whose expected tokens pay for the step time they add
+        (engine.spec_cost), asked afresh each step: the batch decides the price. A request's
+        acceptance starts from everyone's so far, worth two drafts of its own."""
+        state = req.spec
+        shared = (self.num_accepted_tokens + 1) / (self.num_accepted_tokens + self.num_rejections + 2)
+        p = (state.accepted + 2 * shared) / (state.accepted + state.rejections + 2)
+        need = self.costs.threshold(num_running)
+        n, value = 0, p
+        while n < k and value >= need:
+            n += 1
+            value *= p
+        return n
 
     def _propose(self, req: Request, k: int) -> list[int]:
         if self.proposer is None:  # placeholders: the draft model writes them before the step runs
@@ -192,6 +217,10 @@ class Speculator:
         timing.num_draft_tokens += num_drafted
         timing.num_accepted_tokens += num_accepted
         state = req.spec
+        state.accepted += num_accepted
+        if num_accepted < num_drafted:
+            state.rejections += 1
+            self.num_rejections += 1
         if num_accepted:
             state.misses = 0
         else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model import ModelArch
 from engine.scheduler import ScheduledChunk
+from engine.spec_cost import StepCosts
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +91,10 @@ class DraftModel:
         logger.info("draft model %s: %d layers, %d KV blocks beside the target's", path.name, arch.num_layers,
                     num_blocks)
 
-    @torch.inference_mode()
-    def propose(self, chunks: list) -> None:
+    def propose(self, chunks: list, costs: StepCosts | None = None) -> None:
         """Fill each verifying chunk's ``draft_token_ids`` (placeholders, as many as it reserved)
-        with the draft model's greedy tokens after the request's last token."""
-        runner = self.runner
+        with the draft model's greedy tokens after the request's last token; each pass's time goes
+        to ``costs`` (engine.spec_cost)."""
         passes = []
         for c in chunks:
             req, state = c.request, c.request.spec
@@ -102,12 +103,13 @@ class DraftModel:
             done = min(state.draft_valid, c.start)
             passes.append(_DraftPass(req, done, c.start + 1 - done, 0, req.token_ids[done:c.start + 1]))
         live = list(zip(chunks, passes))
+        if costs is not None:
+            costs.observe_rows(len(live))
         for j in range(max(len(c.draft_token_ids) for c in chunks)):
-            step = [p for _, p in live]
-            sampling, input_ids, positions, meta, logits_idx = runner.prepare(step)
-            logits = runner._forward(input_ids, positions, meta, logits_idx)
-            best = logits[:len(sampling)].argmax(dim=-1).tolist()
-            token_of = {id(p): t for p, t in zip(sampling, best)}
+            t0 = time.perf_counter()
+            token_of = self.runner.greedy([p for _, p in live])
+            if costs is not None:  # by tokens: a first pass also catches up on what the draft missed
+                costs.draft.observe(sum(p.num_tokens for _, p in live), time.perf_counter() - t0)
             following = []
             for c, p in live:
                 c.draft_token_ids[j] = tok = token_of[id(p)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -334,6 +335,21 @@ def test_port_overrides():
 
     config = load_serve_config(ROOT / "configs" / "local-cpu.yaml", http_port=8123, grpc_port=9123)
     assert config["http_options"]["port"] == 8123 and config["grpc_options"]["port"] == 9123
+
+
+def test_speculative_config_from_the_command_line():
+    from deployments.app import AppConfig
+    from deployments.cli import load_serve_config, parser
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    args = parser().parse_args(["serve", "--speculative-config", json.dumps(spec)])
+    config = load_serve_config(ROOT / "configs" / "local-cpu.yaml", speculative_config=args.speculative_config)
+    engine = config["applications"][0]["args"]["engine"]
+    assert engine["speculative_config"] == spec and engine["quantization"] == "gguf"  # the rest kept
+    assert AppConfig.from_args(config["applications"][0]["args"]).engine["speculative_config"] == spec
+    for bad in ("{method: ngram", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["serve", "--speculative-config", bad])
 
 
 def test_generated_code_is_up_to_date(tmp_path):

@@ -28,7 +28,9 @@ VOCAB = 384  # the tiny tokenizer's
 PERIOD = 7
 CYCLE_AT = 12
 BASE = dict(dtype="float32", block_size=8, num_kv_blocks=128, max_num_seqs=4, max_num_batched_tokens=64)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Drafts whenever found: these tests check what drafting does, not when it pays (tests/test_spec_cost.py).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "cost_model": False}
 
 
 def _copying(arch: str, vocab: int, seed: int = 3, layers: int = 2):

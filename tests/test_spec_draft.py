@@ -18,7 +18,7 @@ from tests.test_spec_decode import BASE, VOCAB, _copying, _prompts, _run, copy_m
 
 
 def _draft(path, k: int = 4) -> dict:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k, "cost_model": False}
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,16 @@ def test_logprobs_and_prompt_logprobs_are_those_of_each_position(copy_model):
     want, got, stats = _both(path, _prompts(20, (9, 30)), params)
     assert _tokens(got) == _tokens(want)
     assert stats.spec_decode_num_accepted_tokens > 0 and all(o.timing.num_accepted_tokens > 0 for o in got)
+    # The audit trail says what each request drafted (and a gRPC AuditEvent carries it).
+    from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
+    from engine.outputs import audit_records
+    for o in got:
+        event = next(e for e in audit_records(o.timing) if e["event"] == "speculated")
+        t = o.timing
+        assert (event["drafts"], event["draft_tokens"], event["accepted_tokens"]) == \
+            (t.num_drafts, t.num_draft_tokens, t.num_accepted_tokens)
+        assert pb.AuditEvent(**event).accepted_tokens == t.num_accepted_tokens
+    assert not any(e["event"] == "speculated" for e in audit_records(want[0].timing))
     for w, g in zip(want, got):
         assert [sorted(e) for e in g.prompt_logprobs[1:]] == [sorted(e) for e in w.prompt_logprobs[1:]]
         lw, lg = w.outputs[0].logprobs, g.outputs[0].logprobs

@@ -197,7 +197,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AuditEvent(_message.Message):
-    __slots__ = ("time_s", "event", "waiting", "running", "start", "tokens", "cached_tokens", "reason")
+    __slots__ = ("time_s", "event", "waiting", "running", "start", "tokens", "cached_tokens", "reason", "drafts", "draft_tokens", "accepted_tokens")
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,9 @@ class AuditEvent(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     time_s: float
     event: str
     waiting: int
@@ -214,7 +217,10 @@ class AuditEvent(_message.Message):
     tokens: int
     cached_tokens: int
     reason: str
-    def __init__(self, time_s: _Optional[float] = ..., event: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, time_s: _Optional[float] = ..., event: _Optional[str] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "client_request_id", "audit", "tool_calls", "index", "prompt_logprobs")
