@@ -10,8 +10,9 @@ A draft position i of a request whose drafts are accepted with probability p (ea
 ones before it) yields p**i tokens on average. Without drafts a step of B decodes yields B tokens
 in ``a + b * B``, a token each ``(a + b * B) / B``; the position is worth its cost when
 ``p**i * (a + b * B) / B >= b + d + c / n`` (its token of compute, its row of the draft pass and
-its share of the pass, which the n requests drafting lately share). A large batch (where a token of compute is worth much of a token) or a low
-acceptance therefore drafts little or nothing, and one user with a repetitive output drafts all k.
+its share of the pass, which the n requests drafting lately share). A large batch (where a token
+of compute is worth much of a token) or a low acceptance therefore drafts little or nothing, and
+one user with a repetitive output drafts all k.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class _DraftState:
         self.filled = 0
         self.misses = 0
         self.cooldown = 0
-        self.accepted = 0    # draft tokens accepted, and drafts cut short by a rejection: p = a / (a + r)
+        self.accepted = 0    # draft tokens accepted, and drafts cut short by a rejection (Speculator._worth)
         self.rejections = 0
         self.draft_valid = 0  # a draft model's KV holds this many of its tokens (engine.spec_draft)
         self.draft_preemptions = 0
@@ -130,6 +130,7 @@ class Speculator:
         """None: a draft model proposes, after scheduling (engine.spec_draft)."""
         self.costs = StepCosts() if config.cost_model else None
         """Step times, which the engine and the draft model feed (engine.spec_cost); None: no cost model."""
+        self._price: tuple[int, float] | None = None  # (running, the acceptance a position needs) this step
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -138,6 +139,7 @@ class Speculator:
 
     def active(self, num_running: int) -> bool:
         """Whether this step drafts at all (back-off on batch size)."""
+        self._price = None  # a new step: the cost model's lines have moved
         limit = self.config.disable_by_batch_size
         return limit is None or num_running <= limit
 
@@ -181,7 +183,9 @@ class Speculator:
         state = req.spec
         shared = (self.num_accepted_tokens + 1) / (self.num_accepted_tokens + self.num_rejections + 2)
         p = (state.accepted + 2 * shared) / (state.accepted + state.rejections + 2)
-        need = self.costs.threshold(num_running)
+        if self._price is None or self._price[0] != num_running:  # once a step, not once a request
+            self._price = (num_running, self.costs.threshold(num_running))
+        need = self._price[1]
         n, value = 0, p
         while n < k and value >= need:
             n += 1

@@ -8,7 +8,7 @@ freed. The draft's KV is caught up lazily: a request remembers how far its draft
 and its first proposal pass computes everything after that (the whole prompt the first time, one
 or two tokens after a verified step), then k - 1 one-token passes follow. Positions written
 with draft tokens the target rejected are beyond what stays valid and are rewritten later.
-Requests that never speculate (back-off, logprobs, grammars ...) cost the draft nothing.
+Requests that do not draft (back-off, short of ``min_tokens``, grammars) cost the draft nothing.
 
 Drafts are only proposals: whatever the draft says, engine.spec_verify keeps exactly the tokens
 the target would have produced, so the draft's numerics never change an output.
