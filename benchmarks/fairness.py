@@ -42,7 +42,11 @@ TENANTS = (Tenant("long", 384, 96, 8), Tenant("short", 32, 32, 24), Tenant("shor
 
 
 class RoundRobin(WaitQueue):
-    """Round-robin by request: a tenant's counter is the number of its requests admitted."""
+    """Round-robin by request: a tenant's counter is the number of its requests admitted; no slot is
+    taken back for a tenant under its share."""
+
+    def share_victim(self, running, slots):
+        return None
 
     def charge(self, req: Request, tokens: int) -> None:
         pass

@@ -33,6 +33,7 @@ class AnthropicRoutes:
         span, client = ingress_span(frontend, request)
         try:
             tenant = frontend.authorize(api_key(request))
+            span.on_tenant(tenant)
             body = await read_json(request, self.max_body_bytes)
             parsed = parse_messages_body(body, request.headers.get("x-request-id"), frontend.config.tool_call_parser)
             prepared = await frontend.prepare(parsed.input, span.engine_trace_context(client), tenant)

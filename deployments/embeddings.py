@@ -124,6 +124,7 @@ class EmbeddingsRoutes:
         span, client = ingress_span(frontend, request)
         try:
             tenant = frontend.authorize(request.headers.get("authorization"))
+            span.on_tenant(tenant)
             req = validate_body(EmbeddingRequest, await read_json(request, self.max_body_bytes))
             vectors, tokens = await embed(frontend, req.input, req.model, tenant, span.engine_trace_context(client),
                                           request.headers.get("x-request-id"), req.dimensions)

@@ -26,6 +26,8 @@ class ServingError(Exception):
     openai_code: str | None = None
     metric_reason: str | None = "internal"
     """The ``reason`` label of ``slotserve_requests_rejected`` (None: not a rejection)."""
+    retry_after_s: float = 1
+    """The ``retry-after`` a 429 or 503 names; a tenant's limit knows its own wait."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -156,3 +158,11 @@ def to_serving_error(exc: BaseException) -> ServingError:
 def _message(exc: BaseException) -> str:
     text = getattr(exc, "message", None) or str(exc)
     return text if len(text) <= 1000 else text[:1000] + "..."
+
+
+def retry_kind(exc: BaseException, err: ServingError) -> str | None:
+    """overloaded: a full replica refused it. lost: the replica serving it died (its engine loop, its
+    process or its node), which this very request may have caused."""
+    if isinstance(err, Overloaded):
+        return "overloaded"
+    return "lost" if isinstance(err, Unavailable) else None  # an EngineDeadError is Unavailable too

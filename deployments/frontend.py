@@ -20,17 +20,16 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from deployments.adapters import Adapters
 from deployments.admission import Admission, ApiKeys, summarize_load
-from deployments.engine_client import EngineClient, EngineStream
+from deployments.engine_client import EngineClient, EngineStream, ends_request
 from deployments.errors import (BadRequest, DeadlineExceeded, Overloaded, Unauthenticated,
-                                ServingError, Unavailable, to_serving_error)
+                                Unavailable, retry_kind, to_serving_error)
 from deployments.metrics import IngressMetrics, recorder_for
 from deployments.quotas import TenantQuotas
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
                                   check_logit_bias, check_messages_length, check_text, check_vocab, effective_timeout,
                                   new_request_id, parse_messages)
-from deployments.engine_client import ends_request
 from deployments.tenants import Tenant, check_priority, tenant_of
-from deployments.textstream import TextAssembler, TextDelta, last_delta
+from deployments.textstream import TextAssembler, TextDelta, abort_all, last_delta
 from deployments.tracing import Tracing
 from engine.errors import InvalidRequestError
 
@@ -201,6 +200,7 @@ class Frontend:
                       tenant: Tenant | None = None) -> PreparedRequest:
         """``trace_context``: the W3C headers (traceparent, tracestate) the engine replica's spans
         descend from (the ingress span's). ``tenant``: whose it is (``authorize``)."""
+        arrival = time.monotonic()  # the tenant's time to first token includes tokenizing
         lora, lora_path = await self.check_model(inp.model)
         check_priority(inp.priority, tenant, self.config.allowed_priority)
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(inp, name) is not None]
@@ -236,7 +236,8 @@ class Frontend:
                                operation="chat" if inp.messages is not None else "text_completion", lora=lora,
                                lora_path=lora_path,
                                cache_salt=tenant.cache_salt(inp.cache_salt) if tenant else inp.cache_salt,
-                               tenant=tenant.name if tenant else None, tenant_weight=tenant.weight if tenant else 1.0)
+                               tenant=tenant.name if tenant else None, tenant_weight=tenant.weight if tenant else 1.0,
+                               arrival_time=arrival)
 
     # -- streaming -------------------------------------------------------------------
 
@@ -250,15 +251,16 @@ class Frontend:
         from the tokens already sent (``MAX_RESUMES``), and a full replica's refusal is
         retried elsewhere (``MAX_OVERLOAD_RETRIES``) before it becomes an error.
         """
-        limit = await self._admission.limit()
-        if limit is not None and len(self._inflight) >= limit:
-            raise Overloaded(f"this ingress holds {len(self._inflight)} streams, its share of all the engines "
-                             "can run or queue; retry later")
+        refusal = await self._admission.refusal(req.tenant, req.tenant_weight)  # engines full, or a fair share held
+        if refusal is not None:
+            self.quotas.overloaded(req.tenant)
+            raise Overloaded(refusal)
         prompt_len = len(req.prompt_token_ids)
-        ticket = self.quotas.admit(req.tenant, prompt_len)
+        ticket = self.quotas.admit(req.tenant, prompt_len, req.arrival_time)
         choices = [TextAssembler(self.tokenizer, req.request_id, req.params, req.prompt_token_ids,
                                  req.client_request_id, i) for i in range(req.params.n)]
         inflight = self._inflight[req.request_id] = _Inflight(self._engine.generate(req.engine_request()))
+        self._admission.shares.hold(req.tenant, req.tenant_weight)
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s
         retries = {"lost": 0, "overloaded": 0}
         engine_done = False
@@ -268,7 +270,7 @@ class Frontend:
                     message = await _next(inflight.stream, deadline)
                 except StopAsyncIteration:
                     engine_done = True
-                    for delta in _abort_all(choices, prompt_len):
+                    for delta in abort_all(choices, prompt_len):
                         yield delta
                     return
                 except (asyncio.TimeoutError, TimeoutError) as exc:
@@ -278,18 +280,20 @@ class Frontend:
                                            "and was aborted; raise timeout_s or ask for fewer tokens") from None
                 except Exception as exc:
                     if inflight.aborted:  # the abort itself ends a remote stream with an error
-                        for delta in _abort_all(choices, prompt_len):
+                        for delta in abort_all(choices, prompt_len):
                             yield delta
                         return
                     await self._retry_or_raise(req, inflight, choices, retries, exc)
                     continue
                 engine_done = ends_request(message)
+                ticket.started()  # its first tokens (or its end): no longer waiting
                 choice = choices[message.get("index", 0)]
                 if choice.finished:  # ended by a stop string; the engine runs it until the others end
                     continue
                 # A 32k-token prompt's logprobs with 20 alternatives each are ~700k decodes: off the loop.
                 heavy = len(message.get("prompt_logprobs") or ()) * (1 + (req.params.prompt_logprobs or 0))
                 delta = await asyncio.to_thread(choice.push, message) if heavy >= OFFLOAD_DECODES else choice.push(message)
+                ticket.observe(message, delta.text)
                 if all(c.finished for c in choices):
                     yield last_delta(delta, choices, prompt_len)
                     continue
@@ -297,6 +301,7 @@ class Frontend:
                     inflight.stream.abort(choice.index)
                 yield delta
         finally:
+            self._admission.shares.release(req.tenant)
             ticket.finish(sum(len(c.token_ids) for c in choices))
             self._inflight.pop(req.request_id, None)
             if not engine_done:  # client gone, stop string, deadline or error: free the slot now
@@ -306,7 +311,7 @@ class Frontend:
                               retries: dict[str, int], exc: Exception) -> None:
         """Send the request again (resumed from the tokens the client has) or raise the error."""
         err = to_serving_error(exc)
-        kind = _retry_kind(exc, err)
+        kind = retry_kind(exc, err)
         limit = {"overloaded": MAX_OVERLOAD_RETRIES, "lost": MAX_RESUMES}.get(kind, 0)
         if kind is None or retries[kind] >= limit:
             if kind == "lost":
@@ -380,21 +385,6 @@ class Frontend:
         if not any(r.get("healthy") for r in load["replicas"]):
             raise Unavailable(f"no healthy engine replica ({len(load['replicas'])} known); "
                               "they may still be loading the model")
-
-
-def _abort_all(choices: list[TextAssembler], num_prompt_tokens: int) -> list[TextDelta]:
-    """The last deltas of the choices still running, for a request that ended without the engine saying so."""
-    deltas = [c.abort() for c in choices if not c.finished]
-    deltas[-1] = last_delta(deltas[-1], choices, num_prompt_tokens)
-    return deltas
-
-
-def _retry_kind(exc: BaseException, err: ServingError) -> str | None:
-    """overloaded: a full replica refused it. lost: the replica serving it died (its engine loop, its
-    process or its node), which this very request may have caused."""
-    if isinstance(err, Overloaded):
-        return "overloaded"
-    return "lost" if isinstance(err, Unavailable) else None  # an EngineDeadError is Unavailable too
 
 
 async def _next(stream: EngineStream, deadline: float | None) -> dict:

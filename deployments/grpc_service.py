@@ -203,6 +203,7 @@ class SlotServeGrpcMixin:
         last = None
         try:
             tenant = self.frontend.authorize(metadata(grpc_context, "authorization"))  # before parsing
+            span.on_tenant(tenant)
             msg = parse(pb.GenerateRequest, request)
             tools = proto_tools(msg, self.frontend.config.tool_call_parser)
             prepared = await self.frontend.prepare(generate_input(msg, tools), span.engine_trace_context(client),

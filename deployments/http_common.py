@@ -27,8 +27,7 @@ class AsciiJSONResponse(JSONResponse):
 def error_response(exc: BaseException, body: Callable[[ServingError], dict] = ServingError.openai_body) -> JSONResponse:
     """``exc`` as its status code and ``body`` (OpenAI's error shape by default)."""
     err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
-    wait = getattr(err, "retry_after_s", 1)
-    headers = {"retry-after": str(math.ceil(wait))} if err.http_status in (429, 503) else None
+    headers = {"retry-after": str(math.ceil(err.retry_after_s))} if err.http_status in (429, 503) else None
     return AsciiJSONResponse(body(err), status_code=err.http_status, headers=headers)
 
 

@@ -39,8 +39,9 @@ def merge_messages(first: dict, later: dict) -> dict:
     """Two consecutive engine messages of one request as one: tokens (and logprobs) joined,
     everything else (counts, finish reason) as of the later one."""
     merged = {**later, "token_ids": list(first["token_ids"]) + list(later["token_ids"])}
-    if first.get("prompt_logprobs") is not None:  # on a choice's first message only
-        merged["prompt_logprobs"] = first["prompt_logprobs"]
+    for key in ("prompt_logprobs", "queue_time_s"):  # on a choice's first message only
+        if first.get(key) is not None:
+            merged[key] = first[key]
     if first.get("logprobs") is not None or later.get("logprobs") is not None:
         merged["logprobs"] = list(first.get("logprobs") or ()) + list(later.get("logprobs") or ())
     return merged

@@ -159,6 +159,8 @@ class StreamMessage(msgspec.Struct):
     choices_running: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     embedding: list[float] | None = None
+    queue_time_s: float | None = None
+    """On the request's first message: engine arrival to first scheduled (per-tenant queue time)."""
 
 
 class WireError(msgspec.Struct, array_like=True):
@@ -207,7 +209,7 @@ def as_item(output: Output) -> tuple:
     message = None
     if output.message is not None:
         message = msgspec.structs.asdict(output.message)
-        for key in ("audit", "prompt_logprobs", "embedding"):
+        for key in ("audit", "prompt_logprobs", "embedding", "queue_time_s"):
             if message[key] is None:
                 del message[key]
     return output.wire_id, message, None if output.error is None else rebuild_error(output.error)

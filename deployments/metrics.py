@@ -113,13 +113,26 @@ METRICS: dict[str, MetricDef] = {
     "requests_rejected": MetricDef("counter", "Generation requests answered with an error, by reason.",
                                    tags=("reason",)),
     # ingress of an app with tenants (deployments.quotas)
-    "tenant_requests": MetricDef("counter", "Requests of each tenant: admitted, or refused by its limits "
-                                 "(outcome: admitted, concurrency, tokens).", tags=("tenant", "outcome"),
+    "tenant_requests": MetricDef("counter", "Requests of each tenant: admitted, refused by its limits "
+                                 "(outcome: concurrency, waiting, tokens), or refused by the ingress's share of the "
+                                 "engines' capacity, or its fair share of a contended ingress, before its limits "
+                                 "were checked (overloaded).", tags=("tenant", "outcome"),
                                  tenant_only=True),
     "tenant_tokens": MetricDef("counter", "Prompt and output tokens of each tenant's requests (kind: prompt, "
                                "output).", tags=("tenant", "kind"), tenant_only=True),
     "tenant_requests_in_flight": MetricDef("gauge", "Requests of each tenant in flight at the ingress.",
                                            tags=("tenant",), tenant_only=True),
+    # Latencies of a tenant's requests: TTFT buckets for both (queue time is a share of TTFT).
+    "tenant_time_to_first_token_seconds": MetricDef(
+        "histogram", "Time to first token as each tenant's client sees it: from the ingress starting to prepare the "
+        "request (after reading its body and key; before tokenizing and routing) to the first non-empty text "
+        "streamed back. Replica retries and resumes included.", tags=("tenant",), buckets=TTFT_BUCKETS,
+        tenant_only=True),
+    "tenant_queue_time_seconds": MetricDef(
+        "histogram", "Each tenant's requests' wait in the engine's queue: engine arrival to first scheduled, as the "
+        "engine replica measured it and sent it with the request's first tokens (once per request: one retried or "
+        "resumed elsewhere counts the first replica that sent tokens).", tags=("tenant",), buckets=TTFT_BUCKETS,
+        tenant_only=True),
 }
 # Recorded in router/ (which must not import deployments/): listed here for the catalogue.
 OTHER_METRICS: dict[str, str] = {ROUTING_DECISIONS_METRIC: "counter", **AUTOSCALER_METRICS}  # full name -> kind

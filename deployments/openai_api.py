@@ -126,6 +126,7 @@ class OpenAIRoutes:
         span, client = ingress_span(self.frontend, request)
         try:
             tenant = self.frontend.authorize(request.headers.get("authorization"))
+            span.on_tenant(tenant)
             body = await read_json(request, self.max_body_bytes)
             rid = request.headers.get("x-request-id")
             parsed = (parse_chat_body(body, rid, self.frontend.config.tool_call_parser) if chat

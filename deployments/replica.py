@@ -50,15 +50,18 @@ METRICS_PERIOD_S = 1.0  # gauges from the stats snapshot; Ray exports every metr
 _local_ids = itertools.count()
 
 
-def stream_message(out: StreamOutput) -> dict:
+def stream_message(out: StreamOutput, first: bool = False) -> dict:
     """The wire form of one engine message: small, plain, token ids only; the last one also
-    carries the request's scheduling audit trail (``engine.outputs.audit_records``)."""
+    carries the request's scheduling audit trail (``engine.outputs.audit_records``). ``first``: the
+    request's first message, which carries its queue time in the engine (the ingress counts it per tenant)."""
     message = {"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
                "logprobs": out.new_logprobs, "num_prompt_tokens": out.num_prompt_tokens,
                "num_output_tokens": out.num_output_tokens, "num_cached_tokens": out.num_cached_tokens,
                "index": out.index, "choices_running": out.choices_running}
     if out.finished and out.timing is not None:
         message["audit"] = audit_records(out.timing)
+    if first and out.timing is not None and out.timing.first_scheduled_time is not None:
+        message["queue_time_s"] = out.timing.first_scheduled_time - out.timing.arrival_time
     if out.prompt_logprobs is not None:
         message["prompt_logprobs"] = out.prompt_logprobs
     if out.embedding is not None:
@@ -163,6 +166,7 @@ class EngineReplica:
         try:
             async for out in stream:
                 last = out
+                first = out.index == 0 and lead_timing is None
                 if out.index == 0:  # one choice's cadence: interleaved siblings are no inter-token gap
                     request_metrics.on_message(out)
                     lead_timing = out.timing
@@ -171,7 +175,7 @@ class EngineReplica:
                     self._active.discard(rid)
                     request_metrics.on_end(dataclasses.replace(out, timing=lead_timing or out.timing))
                     self._trace(request, out, received_ns)
-                yield stream_message(out)
+                yield stream_message(out, first)
                 if finished:
                     break
         except (GeneratorExit, asyncio.CancelledError):

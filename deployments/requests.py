@@ -9,6 +9,7 @@ characters, vocabulary, context) are checked by the frontend with the same namin
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import uuid
 from dataclasses import dataclass
@@ -134,6 +135,8 @@ class PreparedRequest:
     """Whose request it is (``deployments.tenants``): its limits apply (``deployments.quotas``), and
     the engines share service between tenants by weight (``engine.fairness``)."""
     tenant_weight: float = 1.0
+    arrival_time: float | None = None
+    """``time.monotonic()`` when the ingress started preparing it: where the tenant's time to first token starts."""
 
     def engine_request(self, resume_token_ids: Sequence[int] = (), attempt: int = 0,
                        resume_choices: Mapping[int, Sequence[int]] | None = None) -> dict:
@@ -145,9 +148,10 @@ class PreparedRequest:
         ``attempt``: how many times it was sent before (its wire id differs each time).
         ``resume_choices``: with ``n`` > 1, the choices still to run, each with the tokens it has.
         """
-        engine_params = dataclasses.replace(self.params, stop=(), include_stop_str_in_output=False)
+        cleared = ["stop", "include_stop_str_in_output"]  # the ingress applies stop strings, not the engine
         if resume_token_ids or any((resume_choices or {}).values()):  # the client has the prompt's logprobs
-            engine_params = dataclasses.replace(engine_params, prompt_logprobs=None)
+            cleared.append("prompt_logprobs")
+        engine_params = with_defaults(self.params, cleared)
         request = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
                    "params": engine_params, "priority": self.priority, "trace_context": self.trace_context,
                    "operation": self.operation}
@@ -166,6 +170,18 @@ class PreparedRequest:
         if attempt:
             request["attempt"] = attempt
         return request
+
+
+_DEFAULT_SAMPLING = SamplingParams()
+
+
+def with_defaults(params: SamplingParams, names: Sequence[str]) -> SamplingParams:
+    """``params`` with the fields ``names`` back at their defaults, not validated again (unlike
+    ``dataclasses.replace``): it was when built, and no field's default makes it invalid."""
+    cleared = copy.copy(params)
+    for name in names:
+        object.__setattr__(cleared, name, getattr(_DEFAULT_SAMPLING, name))  # frozen: set once, on the copy
+    return cleared
 
 
 def new_request_id() -> str:

@@ -27,6 +27,7 @@ class ResponsesRoutes:
         span, client = ingress_span(frontend, request)
         try:
             tenant = frontend.authorize(request.headers.get("authorization"))
+            span.on_tenant(tenant)
             owner = tenant.name if tenant is not None else None
             req = parse_responses_body(await read_json(request, self.max_body_bytes))
             earlier = None

@@ -246,7 +246,6 @@ def items_as_chat(items: tuple) -> list[dict]:
 
 @dataclass(frozen=True)
 class ParsedResponses:
-    request: ResponsesRequest
     conversation: list[dict]
     """Chat messages this response continues from: the stored ones, then ``input`` (no instructions)."""
     input: GenerateInput
@@ -269,5 +268,5 @@ def responses_input(req: ResponsesRequest, earlier: list[dict] | None, request_i
         sampling["structured_outputs"] = tools.structured_outputs
     inp = GenerateInput(messages=messages, sampling=sampling, tools=tools.template_tools, model=req.model,
                         request_id=request_id)
-    return ParsedResponses(req, conversation, inp, tools)
+    return ParsedResponses(conversation, inp, tools)
 

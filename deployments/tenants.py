@@ -1,9 +1,9 @@
 """Tenants: who sends a request, told by its API key at the ingress (app config ``tenants``).
 
 A tenant has its own keys, its own range of ``priority`` values, its own limits (requests in flight,
-tokens per minute: ``deployments.quotas``), and its own prefix cache: its requests' block hashes are
-salted with its name, so no tenant's ``cached_tokens`` reveal anything of another's prompts unless it
-is configured to share (``share_cache``). Keys of the flat ``api_keys`` /
+requests waiting for their first token, tokens per minute: ``deployments.quotas``), and its own
+prefix cache: its requests' block hashes are salted with its name, so no tenant's ``cached_tokens``
+reveal anything of another's prompts unless it is configured to share (``share_cache``). Keys of the flat ``api_keys`` /
 ``api_keys_file`` list keep working as requests of no tenant, under the app's own limits.
 """
 
@@ -62,9 +62,13 @@ class TenantConfig(BaseModel):
     """Requests in flight at once, over the whole deployment (``deployments.quotas``); None: no limit."""
     max_tokens_per_minute: Int | None = Field(None, ge=1)
     """Prompt and output tokens a minute, over the whole deployment; None: no limit."""
+    max_waiting: Int | None = Field(None, ge=1)
+    """Requests admitted but without their first token yet, at once, over the whole deployment: what
+    it may queue ahead of the others (``deployments.quotas``); None: no limit."""
     weight: Float = Field(1.0, gt=0, le=1000)
     """Its share of the engines' service when tenants contend, relative to the others' (requests of
-    no tenant weigh 1): token-fair scheduling (``engine.fairness``)."""
+    no tenant weigh 1): token-fair scheduling (``engine.fairness``), and its share of an ingress's
+    streams once the engines are nearly full (``deployments.admission.FairShares``)."""
 
     @model_validator(mode="after")
     def _has_keys(self) -> "TenantConfig":
@@ -95,6 +99,7 @@ class Tenant:
     max_tokens_per_minute: int | None = None
     api_keys_file: str | None = None
     weight: float = 1.0
+    max_waiting: int | None = None
 
     @functools.cached_property
     def keys(self) -> KeyList:
@@ -109,7 +114,8 @@ class Tenant:
     @classmethod
     def of(cls, config: TenantConfig) -> "Tenant":
         return cls(config.name, config.api_keys, config.allowed_priority, config.share_cache,
-                   config.max_concurrent_requests, config.max_tokens_per_minute, config.api_keys_file, config.weight)
+                   config.max_concurrent_requests, config.max_tokens_per_minute, config.api_keys_file, config.weight,
+                   config.max_waiting)
 
     def cache_salt(self, client_salt: str | None) -> str | None:
         """The salt its requests' blocks are hashed under: its own (and the client's, within it)."""
@@ -118,17 +124,28 @@ class Tenant:
         return hashlib.sha256(f"tenant\0{self.name}\0{client_salt or ''}".encode()).hexdigest()
 
 
+_reported_clashes: dict[tuple[str, ...], int] = {}
+"""Per set of tenants holding one key: a hash of their keys when the clash was last logged."""
+
+
 def tenant_of(key: str, tenants: tuple[Tenant, ...]) -> Tenant | None:
     """The tenant holding ``key``; every key is compared, so the time taken says nothing of which.
     A key two tenants' files hold names neither: which one it is would be a guess."""
-    found = []
+    found, state = [], []
     for tenant in tenants:
-        for candidate in tenant.keys.current():
+        current = tenant.keys.current()
+        for candidate in current:
             if hmac.compare_digest(key.encode(), candidate.encode()):
                 found.append(tenant)
-    if len({t.name for t in found}) > 1:
-        logger.error("an API key is held by tenants %s: refused until one of their files drops it",
-                     ", ".join(sorted({t.name for t in found})))
+                state.append(current)
+    names = tuple(sorted({t.name for t in found}))
+    if len(names) > 1:
+        # Once per change of their keys: every request with the key would otherwise log it again.
+        seen = hash(tuple(state))
+        if _reported_clashes.get(names) != seen:
+            _reported_clashes[names] = seen
+            logger.error("an API key is held by tenants %s: refused until one of their files drops it",
+                         ", ".join(names))
         return None
     return found[0] if found else None
 

@@ -137,3 +137,10 @@ def last_delta(delta: TextDelta, choices: list[TextAssembler], num_prompt_tokens
     """``delta`` as the request's last: the usage of all its choices (the prompt counted once)."""
     usage = Usage(num_prompt_tokens, sum(c.num_output_tokens for c in choices), choices[0].num_cached_tokens)
     return dataclasses.replace(delta, usage=usage, ends_request=True)
+
+
+def abort_all(choices: list[TextAssembler], num_prompt_tokens: int) -> list[TextDelta]:
+    """The last deltas of the choices still running, for a request that ended without the engine saying so."""
+    deltas = [c.abort() for c in choices if not c.finished]
+    deltas[-1] = last_delta(deltas[-1], choices, num_prompt_tokens)
+    return deltas

@@ -57,6 +57,7 @@ CACHED_TOKENS = "slotserve.cached_tokens"
 PREEMPTIONS = "slotserve.preemptions"
 REQUEST_ID = "slotserve.request_id"
 ROUTE_REASON = "slotserve.route.reason"
+TENANT = "slotserve.tenant"
 
 
 # -------------------------------------------------------------------- configuration
@@ -169,6 +170,8 @@ class Tracing:
         if not span.is_recording():
             return
         span.set_attributes({REPLICA: replica_id, REQUEST_ID: str(request.get("request_id"))})
+        if request.get("tenant") is not None:
+            span.set_attribute(TENANT, str(request["tenant"]))
         if last is not None:
             span.set_attributes(_usage_attributes(last))
         if timing is not None:
@@ -216,6 +219,12 @@ class IngressSpan:
         """The request as validated (``PreparedRequest`` fields)."""
         self._span.set_attributes({**_request_attributes(operation, None, params), REQUEST_ID: request_id})
 
+    def on_tenant(self, tenant) -> None:
+        """Whose request it is (a ``Tenant`` from ``Frontend.authorize``; None: no tenant), set as soon as
+        the key is checked, so a request refused later (invalid, over a limit) still names it."""
+        if tenant is not None:
+            self._span.set_attribute(TENANT, tenant.name)
+
     def end(self, last=None, error: BaseException | None = None) -> None:
         """``last``: the final ``TextDelta`` (its usage and finish reason); ``error``: why it failed."""
         if self._ended:
@@ -241,6 +250,9 @@ class _NoSpan:
         return dict(client) if client else None
 
     def on_request(self, operation: str, request_id: str, params) -> None:
+        pass
+
+    def on_tenant(self, tenant) -> None:
         pass
 
     def end(self, last=None, error: BaseException | None = None) -> None:

@@ -272,7 +272,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(prompt, params, rid, priority, arrival_time=arrival, resume_token_ids=resume,
                                         resume_choices=choices, lora=lora, cache_salt=salt, tenant=tenant,
-                                        tenant_weight=weight)
+                                        tenant_weight=weight, checked=True)  # by generate()
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 stream = self._streams.get(rid)
                 if stream is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
 import random
 import time
@@ -20,6 +19,7 @@ from typing import Mapping, Sequence
 
 from engine.config import EngineConfig
 from engine.cpu_features import describe_host
+from engine.eos import model_eos_token_ids
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.kv.block_manager import BlockManager
 from engine.kv.hashing import PREFIX_DIGEST_ENTRIES, ROOT_HASH, salted_root
@@ -42,17 +42,6 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 128
 """A request id, the server's or a client's own (``deployments.requests``): logged and echoed, so bounded."""
 STEP_TOKENS_KEPT = 4096
-
-
-def _generation_eos_ids(path: Path) -> set[int]:
-    gen = path / "generation_config.json"
-    if not gen.is_file():
-        return set()
-    try:
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-    except (OSError, json.JSONDecodeError):
-        return set()
-    return set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
 
 
 class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
@@ -88,7 +77,7 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_total_tokens, self.lora,
                                    Speculator(spec, self.block_manager) if spec is not None else None)
-        self.eos_token_ids = frozenset(self.arch.eos_token_ids | _generation_eos_ids(self.model_path))
+        self.eos_token_ids = model_eos_token_ids(self.model_path)
         self.grammars = GrammarBook(self.model_path, self.arch.vocab_size, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}
         """Each request's unfinished choices (one unless ``n`` > 1), by request id."""
@@ -150,16 +139,19 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
                     resume_token_ids: Sequence[int] = (),
                     resume_choices: Mapping[int, Sequence[int]] | None = None, lora: str | None = None,
-                    cache_salt: str | None = None, tenant: str | None = None, tenant_weight: float = 1.0) -> str:
+                    cache_salt: str | None = None, tenant: str | None = None, tenant_weight: float = 1.0,
+                    checked: bool = False) -> str:
         """Queue a request. ``resume_token_ids``: output tokens it already produced elsewhere (a
         replica died mid-stream); they are recomputed like a preempted request's, counted in
         ``max_tokens`` and in the seeded sampler's positions, and not emitted again.
         ``resume_choices``: the same for ``n`` > 1, by choice index: only the choices named run.
         ``lora``: the name of a served LoRA adapter to run with (None: the base model).
         ``cache_salt``: its prompt's cached blocks are shared only with requests of the same salt.
-        ``tenant``, ``tenant_weight``: whose it is, and that tenant's share (engine.fairness)."""
+        ``tenant``, ``tenant_weight``: whose it is, and that tenant's share (engine.fairness).
+        ``checked``: ``prompt_token_ids`` is the list ``check_request`` returned for these params
+        (AsyncEngine checks in its caller's thread, so the error raises there): not checked again."""
         params = params or SamplingParams()
-        prompt = self.check_request(prompt_token_ids, params, priority)
+        prompt = prompt_token_ids if checked else self.check_request(prompt_token_ids, params, priority)
         adapter = self.adapter(lora) if lora is not None else None
         root = adapter.root_hash if adapter is not None else ROOT_HASH
         root = salted_root(root, cache_salt) if cache_salt is not None else root

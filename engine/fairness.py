@@ -11,12 +11,20 @@ A tenant that had nothing waiting has its counter lifted to the lowest counter a
 that were waiting, when its next request arrives: idle time is not saved up as credit to burst with
 later. The preemption victim is chosen the other way round (``victim_key``): among the lowest
 priority, the request of the most-served tenant, the least advanced first.
+
+The counter decides who is admitted when a slot frees, but with every slot held by one tenant's long
+requests another tenant would still wait for one of them to end. So when all slots are taken, a
+waiting tenant holds fewer than its weighted share of the slots, and a tenant served more tokens holds
+more than its share, one request of the latter is preempted for it (``share_victim``). A slot changes
+hands at most once a step, and only from a tenant over its share to one under it, so none moves back.
+With the prefix cache on, the preempted request's full blocks stay cached and it resumes from them.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Iterator
+from collections import Counter
+from typing import Iterator, Sequence
 
 from engine.request import Request
 
@@ -78,3 +86,29 @@ class WaitQueue:
         """Preempt the request of the largest key: lowest priority, then most-served tenant, then
         least advanced, then newest."""
         return (req.priority, self.service.get(req.tenant, 0.0), -req.num_computed_tokens, req.seq_no)
+
+    def share_victim(self, running: Sequence[Request], slots: int) -> tuple[Request, Request] | None:
+        """(victim, candidate): the running request to preempt and the waiting one to admit in its slot,
+        or None (see the module's docstring).
+
+        Shares are of ``slots`` by weight among the tenants with requests running or waiting. The
+        candidate is the first request of the least-served tenant under its share. Only a request of its
+        priority or a lower one (a larger value), of a tenant served as many tokens or more (by weight:
+        a tenant that had nothing waiting joins at the lowest counter, so a tie is the usual case), is taken
+        for it: slot shares alone would let a tenant of long requests take slots the counter gives to
+        others."""
+        held = Counter(r.tenant for r in running)
+        weights = {r.tenant: r.weight for r in running}
+        heads = {tenant: heap[0] for tenant, heap in self._heaps.items() if heap}
+        weights.update((tenant, req.weight) for tenant, (_, _, req) in heads.items())
+        total = sum(weights.values())
+        under = [(priority, self.service.get(tenant, 0.0), seq_no, req) for tenant, (priority, seq_no, req)
+                 in heads.items() if held[tenant] + 1 <= slots * weights[tenant] / total]
+        if not under:
+            return None
+        candidate = min(under, key=lambda row: row[:3])[3]
+        served = self.service.get(candidate.tenant, 0.0)
+        over = [r for r in running if r.priority >= candidate.priority and held[r.tenant] > slots * r.weight / total
+                and self.service.get(r.tenant, 0.0) >= served]
+        victim = max(over, key=self.victim_key, default=None)
+        return None if victim is None else (victim, candidate)

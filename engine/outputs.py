@@ -13,6 +13,7 @@ FINISH_STOP = "stop"      # EOS, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context length
 FINISH_ABORT = "abort"    # aborted by the caller (cancel, disconnect, deadline)
 PREEMPT_KV_FULL = "kv_cache_full"  # the KV pool ran dry: the victim's blocks go to others, it is recomputed later
+PREEMPT_FAIR_SHARE = "fair_share"  # its tenant held more than its share of the slots, another's request less
 
 # The scheduling audit trail: each event's details, in the order the engine records them.
 AUDIT_DETAILS: dict[str, tuple[str, ...]] = {

@@ -21,7 +21,7 @@ from engine.kv.block_manager import BlockManager
 from engine.errors import AdapterLoadError
 from engine.fairness import WaitQueue
 from engine.lora.manager import LoRAManager
-from engine.outputs import FINISH_ABORT, PREEMPT_KV_FULL
+from engine.outputs import FINISH_ABORT, PREEMPT_FAIR_SHARE, PREEMPT_KV_FULL
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -79,6 +79,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)
+    """Those of ``preempted`` that gave their slot to a tenant under its share (``share_victim``)."""
     admitted: list[str] = field(default_factory=list)
     num_draft_tokens: int = 0
     """Draft tokens the step verifies (engine.spec_decode); 0: a step like any without speculation."""
@@ -106,6 +108,7 @@ class Scheduler:
         self.waiting = WaitQueue()  # priority, then tenants' fair shares, then arrival
         self.running: list[Request] = []
         self.static_batch: list[Request] = []               # static mode: the batch being admitted
+        self._first: Request | None = None                  # admitted first this step (engine.fairness)
         self.num_preemptions = 0
         self.unservable: list[tuple[Request, str]] = []
         """Requests taken out of the queue because their LoRA adapter could not be read (and why):
@@ -154,6 +157,13 @@ class Scheduler:
         spec = self.speculator
         if spec is not None and not spec.active(len(self.running)):
             spec = None
+        self._first = None
+        if self.waiting and not self.static and len(self.running) >= self.config.max_num_seqs:
+            pair = self.waiting.share_victim(self.running, self.config.max_num_seqs)
+            if pair is not None:  # the candidate, not the queue's head, takes the slot it was freed for
+                self._preempt(pair[0], scheduled, out, PREEMPT_FAIR_SHARE)
+                out.shared.append(pair[0].request_id)
+                self._first = pair[1]
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -173,7 +183,7 @@ class Scheduler:
                 chunk = ScheduledChunk(req, req.num_computed_tokens, n)
             scheduled[req.seq_no] = chunk
             budget -= chunk.num_tokens
-        if out.preempted:  # refund the budget of chunks whose request was preempted after being scheduled
+        if len(out.preempted) > len(out.shared):  # the pool ran dry: refund the chunks of preempted requests
             budget = self.token_budget - sum(c.num_tokens for c in scheduled.values())
         else:
             budget = self._admit(budget, scheduled, out)
@@ -206,12 +216,13 @@ class Scheduler:
             req.block_ids.extend(self.blocks.allocate(need))
         return True
 
-    def _preempt(self, req: Request, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput,
+                 reason: str = PREEMPT_KV_FULL) -> None:
         scheduled.pop(req.seq_no, None)
         self.running.remove(req)
         self.blocks.free(req.block_ids)
         req.block_ids = []
-        req.record(out.time, "preempted", PREEMPT_KV_FULL, req.num_computed_tokens)
+        req.record(out.time, "preempted", reason, req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.num_hashed_blocks = 0
         req.last_block_hash = req.root_hash
@@ -231,13 +242,16 @@ class Scheduler:
                 take = min(self.config.max_num_seqs, len(self.waiting))
                 self.static_batch = [self.waiting.pop() for _ in range(take)]
             return self.static_batch[0] if self.static_batch else None
-        return self.waiting.peek()
+        return self._first or self.waiting.peek()
 
-    def _pop_candidate(self) -> None:
+    def _pop_candidate(self) -> Request:
         if self.static:
-            self.static_batch.pop(0)
-        else:
-            self.waiting.pop()
+            return self.static_batch.pop(0)
+        if self._first is not None:
+            req, self._first = self._first, None
+            self.waiting.remove(req)
+            return req
+        return self.waiting.pop()
 
     def _admit(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput) -> int:
         passed_over: list[Request] = []  # their adapter has no slot this step; they keep their place
@@ -280,7 +294,7 @@ class Scheduler:
                 if slot is None:  # every slot is held by running requests of other adapters
                     if self.static:
                         break
-                    passed_over.append(self.waiting.pop())  # others may still run
+                    passed_over.append(self._pop_candidate())  # others may still run
                     self._scored_left = scored_left
                     continue
                 req.lora_slot = slot

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from engine.eos import model_eos_token_ids
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.validation import Text, validated
 
@@ -229,29 +230,4 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         ) from exc
     if hf is None or not callable(getattr(hf, "encode", None)):
         raise ModelLoadError(f"no usable tokenizer in {directory}")
-    return Tokenizer(hf, directory, _eos_token_ids(hf, directory))
-
-
-def _eos_token_ids(hf: Any, directory: Path) -> frozenset[int]:
-    ids = set(_as_ids(getattr(hf, "eos_token_id", None)))
-    for name in ("generation_config.json", "config.json"):
-        file = directory / name
-        if not file.is_file():
-            continue
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"{file} is not readable JSON: {exc}") from exc
-        if isinstance(data, dict):
-            ids.update(_as_ids(data.get("eos_token_id")))
-    return frozenset(ids)
-
-
-def _as_ids(value: Any) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value] if value >= 0 else []
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-    return []
+    return Tokenizer(hf, directory, model_eos_token_ids(directory, getattr(hf, "eos_token_id", None)))

@@ -13,14 +13,16 @@ from tests.fake_engine import FakeAsyncEngine
 from tests.waits import async_wait_until
 
 
-def make_frontend(tokenizer, replicas=1, api_keys=(), linked=True, **engine_options):
-    """``linked``: streams over engine links on loopback, as the ingress runs them (else in-process)."""
+def make_frontend(tokenizer, replicas=1, api_keys=(), linked=True, tenants=(), **engine_options):
+    """``linked``: streams over engine links on loopback, as the ingress runs them (else in-process);
+    ``tenants``: ``deployments.tenants.Tenant`` entries."""
     options = {"vocab_size": tokenizer.vocab_size, "eos_token_id": 10**6, "max_num_seqs": 4,
                "max_waiting": 4, "step_delay_s": 0.002, **engine_options}
     token = new_token() if linked else None
     reps = [EngineReplica("fake-model", options, FakeAsyncEngine, drain_timeout_s=5, link_token=token)
             for _ in range(replicas)]
-    config = FrontendConfig(served_model_name="tiny", model="fake-model", api_keys=tuple(api_keys))
+    config = FrontendConfig(served_model_name="tiny", model="fake-model", api_keys=tuple(api_keys),
+                            tenants=tuple(tenants))
     client = LocalEngineClient(reps)
     return Frontend(config, tokenizer, LinkEngineClient(client, token) if linked else client), reps
 

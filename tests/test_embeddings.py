@@ -117,11 +117,12 @@ def test_served_over_http_and_grpc(replica, tiny_model_dir, tokenizer, reference
     run(main(), timeout_s=120)
 
 
-def test_a_tenants_inputs_wait_within_its_concurrency_limit(replica, tiny_model_dir, tokenizer):
+@pytest.mark.parametrize("limit", ["max_concurrent_requests", "max_waiting"])
+def test_a_tenants_inputs_wait_within_its_concurrency_limit(replica, tiny_model_dir, tokenizer, limit):
     from deployments.embeddings import embed
     from deployments.tenants import Tenant
 
-    one = Tenant("one-at-a-time", ("key-one-at-a-time",), max_concurrent_requests=1)
+    one = Tenant("one-at-a-time", ("key-one-at-a-time",), **{limit: 1})
     fe = frontend_over(replica, tiny_model_dir, tokenizer, tenants=(one,))
     vectors, tokens = run(embed(fe, PROMPTS, "tiny", one))  # eight at a time would be refused past the first
     assert len(vectors) == 3 and tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)

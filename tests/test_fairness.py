@@ -1,7 +1,8 @@
 """Token-fair scheduling between tenants (engine.fairness) on the real scheduler: a tenant that
 floods the queue does not starve another, weights share service in proportion, idle time is not
-banked as credit, one tenant's requests keep their order, a tenant alone gets everything, and the
-preemption victim is the most-served tenant's."""
+banked as credit, one tenant's requests keep their order, a tenant alone gets everything, the
+preemption victim is the most-served tenant's, and a tenant under its share of the slots takes one
+from a tenant over its share at once."""
 
 from __future__ import annotations
 
@@ -71,6 +72,52 @@ def test_the_preemption_victim_is_the_most_served_tenants():
     while all(r.status is not RequestStatus.PREEMPTED for r in (greedy, modest)) and sim.sched.has_unfinished():
         sim.step()
     assert greedy.timing.num_preemptions >= 1 and modest.timing.num_preemptions == 0
+
+
+def _flooded(slots: int, weight: float = 1.0) -> Sim:
+    """Every slot held by tenant a's long requests (of ``weight``), more of them waiting."""
+    sim = _sim(max_num_seqs=slots, max_num_batched_tokens=64, num_blocks=256)
+    for i in range(slots + 4):
+        sim.add(8, max_tokens=60, tenant="a", weight=weight, rid=f"a{i}")
+    for _ in range(3):
+        sim.step()
+    assert [r.tenant for r in sim.sched.running] == ["a"] * slots
+    return sim
+
+
+def test_a_tenant_under_its_share_of_the_slots_takes_one_at_once():
+    sim = _flooded(slots=2)
+    b = sim.add(8, max_tokens=2, tenant="b", rid="b0")
+    out = sim.step()
+    assert out.admitted == ["b0"] and len(out.shared) == 1  # not after one of a's 60-token answers
+    victim = sim.requests[out.shared[0]]
+    assert victim.status is RequestStatus.PREEMPTED and victim.tenant == "a"
+    late = sim.add(8, max_tokens=2, tenant="b", rid="b1")  # b holds its share (1 of 2): it waits its turn
+    assert sim.step().shared == []
+    order = _admissions(sim)
+    assert b.finish_reason == late.finish_reason == "length"
+    assert [r for r in order if r.startswith("a")] == sorted((r for r in order if r.startswith("a")),
+                                                             key=lambda r: int(r[1:]))  # a's order kept
+    # A slot went to b for each of its requests (b1's once b0 ended), and never back to a.
+    assert [sim.requests[rid].tenant for o in sim.steps for rid in o.shared] == ["a", "a"]
+
+
+def test_shares_follow_weights_and_priority():
+    sim = _flooded(slots=4, weight=3.0)  # a's share: 3 of 4 slots
+    sim.add(8, max_tokens=30, tenant="b", rid="b0")
+    assert len(sim.step().shared) == 1
+    sim.add(8, max_tokens=30, tenant="b", rid="b1")  # b holds its 1 slot: no more
+    assert sim.step().shared == [] and sim.step().shared == []
+    worse = _flooded(slots=2)
+    worse.add(8, max_tokens=2, priority=1, tenant="b", rid="b0")  # a worse priority takes no slot
+    assert worse.step().shared == []
+
+
+def test_a_tenant_alone_or_requests_of_no_tenant_preempt_nothing_for_shares():
+    sim = _sim(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=256)
+    for i in range(6):
+        sim.add(8, max_tokens=20, tenant=None, rid=f"r{i}")
+    assert all(o.shared == [] for o in sim.drain())
 
 
 def test_the_benchmark_shares_tokens_by_weight_where_round_robin_does_not():

@@ -300,7 +300,7 @@ def test_engine_link_tls_is_mounted_on_every_ray_pod_and_given_to_the_app(render
 # ----------------------------------------------------------------------------- tenants
 TENANTS = [
     {"name": "Team_A.prod", "existingSecret": "team-a-keys", "allowedPriority": [-5, 5], "shareCache": True,
-     "maxConcurrentRequests": 32, "maxTokensPerMinute": 2000000, "weight": 2.5},
+     "maxConcurrentRequests": 32, "maxTokensPerMinute": 2000000, "maxWaiting": 8, "weight": 2.5},
     {"name": "team-b", "existingSecret": "team-b-keys", "key": "tenant-keys"},  # the other fields by default
 ]
 
@@ -323,12 +323,12 @@ def test_tenants_keys_are_mounted_where_the_apps_are_and_reach_the_app(chart, cr
     args = serve_config(rs)["applications"][0]["args"]
     cfg = AppConfig.from_args(args)
     assert [(t.name, t.allowed_priority, t.share_cache, t.max_concurrent_requests, t.max_tokens_per_minute,
-             t.weight) for t in cfg.tenants] == [("Team_A.prod", (-5, 5), True, 32, 2000000, 2.5),
-                                                 ("team-b", (0, 0), False, None, None, 1)]
+             t.max_waiting, t.weight) for t in cfg.tenants] == [("Team_A.prod", (-5, 5), True, 32, 2000000, 8, 2.5),
+                                                                ("team-b", (0, 0), False, None, None, None, 1)]
     assert [t.api_keys_file for t in cfg.tenants] == ["/etc/slotserve/tenants/Team_A.prod/keys",
                                                       "/etc/slotserve/tenants/team-b/tenant-keys"]
     assert all(not t.api_keys for t in cfg.tenants)  # keys never come inline from the values
-    assert "max_concurrent_requests" not in args["tenants"][1]  # unset limits are left to the app
+    assert not {"max_concurrent_requests", "max_waiting"} & set(args["tenants"][1])  # unset limits: the app's
     assert cfg.api_keys_file == ("/etc/slotserve/api-keys/keys" if api_keys else None)
     for group, template in pod_templates(rs).items():
         pod = template["spec"]

@@ -37,6 +37,7 @@ from tests.helm_chart import (CHART_DIR, ROOT, chart, render, rendered, the)
     ({"tenants": [{"name": "team", "existingSecret": "keys", "apiKeys": ["sk-0123456789"]}]}, "apiKeys"),
     ({"tenants": [{"name": "team", "existingSecret": "keys", "maxConcurrentRequests": 0}]}, "maxConcurrentRequests"),
     ({"tenants": [{"name": "team", "existingSecret": "keys", "maxTokensPerMinute": 0}]}, "maxTokensPerMinute"),
+    ({"tenants": [{"name": "team", "existingSecret": "keys", "maxWaiting": 0}]}, "maxWaiting"),
     ({"tenants": [{"name": "team", "existingSecret": "keys", "weight": 0}]}, "weight"),
     ({"tenants": [{"name": "team", "existingSecret": "keys", "allowedPriority": [1]}]}, "allowedPriority"),
     ({"tenants": [{"name": "team", "existingSecret": "keys", "key": "../keys"}]}, "/tenants/0/key"),

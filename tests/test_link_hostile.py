@@ -159,10 +159,12 @@ def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
     _, got = decode_ingress_frame(frame(Submit(sent))[4:]).take()
     assert got["resume_choices"] == {1: [5, 6], 2: []}
     out = StreamOutput("r", [9], finished=True, finish_reason="stop", new_logprobs=[{9: -0.5, 3: -1.0}],
-                       num_prompt_tokens=3, num_output_tokens=1, timing=RequestTiming(arrival_time=0.0), index=2,
+                       num_prompt_tokens=3, num_output_tokens=1,
+                       timing=RequestTiming(arrival_time=0.0, first_scheduled_time=0.25), index=2,
                        choices_running=1, prompt_logprobs=[None, {4: -2.0}, {5: -0.25, 1: -3.0}],
                        embedding=[0.5, -0.25])
-    message = stream_message(out)
+    message = stream_message(out, first=True)
+    assert message["queue_time_s"] == 0.25  # the engine's queue time, for the ingress's per-tenant histogram
     [item] = [as_item(o) for o in msgspec.msgpack.decode(outputs([("w", message, None)])[4:], type=list[Output])]
     assert item == ("w", message, None)
 

@@ -166,6 +166,7 @@ def test_merged_messages_keep_every_token_and_the_latest_counts():
                                     "num_output_tokens": 3}
     la, lb = {**a, "logprobs": [{1: -0.1}, {2: -0.2}]}, {**b, "logprobs": [{3: -0.3}]}
     assert merge_messages(la, lb)["logprobs"] == [{1: -0.1}, {2: -0.2}, {3: -0.3}]
+    assert merge_messages({**a, "queue_time_s": 0.5}, b)["queue_time_s"] == 0.5  # on the first message only
 
 
 def test_n_over_a_link_and_a_resume_of_the_running_choices():

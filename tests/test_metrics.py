@@ -152,6 +152,7 @@ def test_replica_records_what_it_served():
                        "params": SamplingParams(max_tokens=n, ignore_eos=True)}
             got = [m async for m in replica.generate(request)]
             assert sum(len(m["token_ids"]) for m in got) == n
+            assert ["queue_time_s" in m for m in got] == [True] + [False] * (len(got) - 1)  # on the first only
         gen = replica.generate({"request_id": "gone", "prompt_token_ids": [1], "params": SamplingParams(max_tokens=50)})
         await gen.__anext__()
         await gen.aclose()  # the client went away mid-stream
@@ -292,5 +293,9 @@ def test_dashboard_queries_only_exported_metrics():
     queried = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}
     for needed in ("slot_occupancy", "kv_cache_usage_perc", "num_requests_waiting", "num_preemptions",
                    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                   "generation_tokens", "requests_rejected", "autoscaler_desired_replicas"):
+                   "generation_tokens", "requests_rejected", "autoscaler_desired_replicas",
+                   "tenant_tokens", "tenant_time_to_first_token_seconds", "tenant_queue_time_seconds",
+                   "tenant_requests"):
         assert f"ray_slotserve_{needed}" in queried, needed
+    for e in exprs:  # tenant panels split by tenant (configured tenants only: few series)
+        assert "ray_slotserve_tenant_" not in e or re.search(r"by \([^)]*\btenant\b", e), e

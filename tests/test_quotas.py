@@ -9,11 +9,16 @@ import contextlib
 import openai
 import pytest
 
+from deployments.admission import Capacity
 from deployments.app import AppConfig
-from deployments.errors import TenantLimitExceeded
+from deployments.engine_client import LocalEngineClient
+from deployments.errors import Overloaded, TenantLimitExceeded
+from deployments.frontend import Frontend, FrontendConfig
 from deployments.quotas import TenantQuotas
+from deployments.replica import EngineReplica
 from deployments.requests import GenerateInput
 from deployments.tenants import Tenant
+from tests.fake_engine import FakeAsyncEngine
 from tests.serving_helpers import frontend_over, real_replica, run
 from tests.test_metrics import FakeRecorder
 from tests.test_serving_frontend import _clients
@@ -58,11 +63,59 @@ def test_tokens_per_minute_are_a_bucket_that_a_request_may_overdraw():
     quotas.admit("a", 600).finish(0)
     with pytest.raises(TenantLimitExceeded):
         quotas.admit("a", 1)
-    assert {t["outcome"] for n, t in rec.zeros if n == "tenant_requests"} == {"admitted", "concurrency", "tokens"}
+    assert {t["outcome"] for n, t in rec.zeros if n == "tenant_requests"} == {"admitted", "concurrency", "tokens",
+                                                                              "overloaded", "waiting"}
     assert sum(rec.values("tenant_requests", tenant="a", outcome="tokens")) == 3
     assert sum(rec.values("tenant_tokens", tenant="a", kind="prompt")) == 1105
     assert sum(rec.values("tenant_tokens", tenant="a", kind="output")) == 200
     assert rec.values("tenant_requests_in_flight", tenant="a")[-1] == 0
+
+
+def test_a_tickets_latencies_are_recorded_once_per_request_and_only_for_a_tenant():
+    rec = FakeRecorder()
+    quotas = TenantQuotas([Tenant("a", ("k" * 8,))], recorder=rec)
+    for tenant in ("a", None):
+        ticket = quotas.admit(tenant, 10, arrival=100.0)
+        ticket.observe({"token_ids": [1], "queue_time_s": 0.25}, "", now=100.5)  # its text still held back
+        ticket.observe({"token_ids": [2]}, "hi", now=101.0)
+        ticket.observe({"token_ids": [3], "queue_time_s": 0.75}, "!", now=102.0)  # resumed elsewhere: not again
+        ticket.finish(3)
+    quotas.overloaded("a"), quotas.overloaded(None)
+    assert rec.values("tenant_queue_time_seconds", tenant="a") == [0.25]
+    assert rec.values("tenant_time_to_first_token_seconds", tenant="a") == [1.0]
+    assert rec.values("tenant_requests", tenant="a", outcome="overloaded") == [1]
+    assert all(t.get("tenant") == "a" for _, _, t in rec.calls)  # nothing for the request of no tenant
+
+
+def test_the_ingress_records_a_tenants_latencies_and_capacity_refusals(tokenizer, monkeypatch):
+    rec = FakeRecorder()
+    monkeypatch.setattr("deployments.frontend.recorder_for", lambda name: rec)
+
+    async def main():
+        replica = EngineReplica("fake-model", {"vocab_size": tokenizer.vocab_size, "step_delay_s": 0.001},
+                                FakeAsyncEngine, drain_timeout_s=1)
+        fe = Frontend(FrontendConfig(served_model_name="tiny", model="fake-model", api_keys=("plain-key-1",),
+                                     tenants=(Tenant("a", ("key-of-a-1",)),)), tokenizer, LocalEngineClient([replica]))
+        inp = GenerateInput(prompt="hello", sampling={"max_tokens": 8, "ignore_eos": True})
+        for key in ("key-of-a-1", "plain-key-1"):
+            text, _ = await fe.generate_all(await fe.prepare(inp, tenant=fe.authorize(key)))
+            assert text  # a first text to time
+        fe._admission.capacity = _no_room
+        for key in ("key-of-a-1", "plain-key-1"):
+            with pytest.raises(Overloaded):
+                await fe.generate_all(await fe.prepare(inp, tenant=fe.authorize(key)))
+        await replica.shutdown()
+    run(main(), timeout_s=30)
+    [ttft] = rec.values("tenant_time_to_first_token_seconds", tenant="a")
+    [queued] = rec.values("tenant_queue_time_seconds", tenant="a")
+    assert 0 <= queued < ttft < 30
+    assert rec.values("tenant_requests", tenant="a", outcome="overloaded") == [1]
+    assert rec.values("tenant_requests", tenant="a", outcome="admitted") == [1]
+    assert {t.get("tenant") for n, _, t in rec.calls if n.startswith("tenant_")} == {"a"}  # none of no tenant
+
+
+async def _no_room() -> Capacity:
+    return Capacity(running=0, waiting=0)
 
 
 def test_limits_are_app_config_fields_checked_by_name():

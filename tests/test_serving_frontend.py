@@ -41,6 +41,35 @@ def test_stream_text_is_the_decode_of_the_tokens(tokenizer):
     run(main())
 
 
+def test_sampling_params_are_validated_at_the_ingress_and_where_the_link_decodes_them(tokenizer, monkeypatch):
+    import deployments.requests as requests
+    from engine.sampling import SamplingParams
+
+    built, init = [], SamplingParams.__init__
+
+    def counted_init(self, *args, **kwargs):  # dataclasses.replace and the link's decode come here
+        built.append("init")
+        init(self, *args, **kwargs)
+
+    class CountedAdapter:
+        def validate_python(self, values):
+            built.append("ingress")
+            return adapter.validate_python(values)
+
+    adapter = requests._SAMPLING
+    monkeypatch.setattr(requests, "_SAMPLING", CountedAdapter())
+    monkeypatch.setattr(SamplingParams, "__init__", counted_init)
+
+    async def main():
+        fe, reps = make_frontend(tokenizer)  # linked: the request crosses a loopback socket
+        req = await fe.prepare(GenerateInput(prompt="hello", sampling={"max_tokens": 4, "stop": ["zz"]}))
+        _, deltas = await fe.generate_all(req)
+        assert deltas[-1].finish_reason == "length"
+        await wait_idle(reps)
+    run(main())
+    assert built == ["ingress", "init"]
+
+
 def test_stop_string_cuts_text_and_tokens_and_frees_the_slot(tokenizer):
     async def main():
         fe, reps = make_frontend(tokenizer)

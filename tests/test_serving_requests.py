@@ -258,6 +258,16 @@ def test_wrapped_replica_error_keeps_the_original_message():
     assert type(to_serving_error(type("ActorDiedError", (Exception,), {})("x"))) is ServingError
 
 
+def test_retry_after_is_a_second_unless_the_error_names_its_own():
+    from deployments.errors import TenantLimitExceeded
+    from deployments.http_common import error_response
+
+    assert error_response(Overloaded("full")).headers["retry-after"] == "1"
+    assert error_response(Unavailable("none")).headers["retry-after"] == "1"
+    assert error_response(TenantLimitExceeded("over", 10.2)).headers["retry-after"] == "11"
+    assert "retry-after" not in error_response(BadRequest("bad")).headers
+
+
 # -- configs -------------------------------------------------------------------------------
 
 def test_app_config_rejects_bad_fields_by_name():

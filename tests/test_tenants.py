@@ -118,3 +118,25 @@ def test_a_tenant_copied_to_another_process_reads_its_keys_file_there(tmp_path):
     copy = pickle.loads(pickle.dumps(built))
     assert "keys" not in copy.__dict__ and copy == built
     assert tenant_of("key-rotated-22", (copy,)) is copy and tenant_of("key-built-1", (copy,)) is None
+
+
+def test_a_key_two_tenants_hold_is_logged_once_per_change_of_their_files(tmp_path, monkeypatch, caplog):
+    from deployments.admission import ApiKeys
+    from deployments.tenants import Tenant, tenant_of
+
+    monkeypatch.setattr(ApiKeys, "CHECK_PERIOD_S", 0.0)  # re-read at every request
+    a_keys, b_keys = tmp_path / "a", tmp_path / "b"
+    a_keys.write_text("key-clash-shared\n")
+    b_keys.write_text("key-clash-shared\n")
+    tenants = (Tenant("clash-a", (), api_keys_file=str(a_keys)), Tenant("clash-b", (), api_keys_file=str(b_keys)))
+
+    def clashes() -> int:
+        return sum("held by tenants clash-a, clash-b" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level("ERROR", logger="deployments.tenants"):
+        assert tenant_of("key-clash-shared", tenants) is None and tenant_of("key-clash-shared", tenants) is None
+        assert clashes() == 1
+        b_keys.write_text("key-clash-b-own\nkey-clash-shared\n")  # changed, still clashing: told again
+        assert tenant_of("key-clash-shared", tenants) is None and tenant_of("key-clash-shared", tenants) is None
+        assert clashes() == 2
+    assert "key-clash-shared" not in caplog.text

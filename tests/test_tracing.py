@@ -276,6 +276,47 @@ def test_a_refused_request_ends_its_span_with_the_error(tiny_model_dir, tokenize
     assert spans[GENERATE_SPAN].attributes["error.type"] == "BadRequest"
 
 
+def test_a_tenants_request_names_it_on_its_spans_even_when_refused(tokenizer):
+    from deployments.engine_client import LocalEngineClient
+    from deployments.frontend import Frontend, FrontendConfig
+    from deployments.replica import EngineReplica
+    from deployments.tenants import Tenant
+    from tests.fake_engine import FakeAsyncEngine
+
+    tracing, exporter = _in_memory()
+
+    async def main():
+        replica = EngineReplica("fake-model", {"vocab_size": tokenizer.vocab_size, "step_delay_s": 0.001},
+                                FakeAsyncEngine, drain_timeout_s=1, model_name="tiny", tracing=tracing)
+        frontend = Frontend(FrontendConfig(served_model_name="tiny", model="fake-model", api_keys=("plain-key-1",),
+                                           tenants=(Tenant("team-a", ("key-of-a-1",)),)),
+                            tokenizer, LocalEngineClient([replica]), tracing=tracing)
+        traces = []
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=build_openai_app(frontend)),
+                                      base_url="http://test") as http:
+            for key, max_tokens in (("key-of-a-1", 3), ("plain-key-1", 3), ("key-of-a-1", -1)):
+                header, trace_id, _ = new_traceparent()
+                r = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": max_tokens},
+                                    headers={"traceparent": header, "authorization": f"Bearer {key}"})
+                traces.append((trace_id, r.status_code))
+        header, trace_id, _ = new_traceparent()
+        msg = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(max_tokens=2))
+        ctx = GrpcContext([("traceparent", header), ("authorization", "Bearer key-of-a-1")])
+        assert [m async for m in GrpcService(frontend).Generate(msg.SerializeToString(), grpc_context=ctx)]
+        await replica.shutdown()
+        return traces, trace_id
+
+    [(tenant, ok), (plain, ok_too), (refused, bad)], grpc_trace = asyncio.run(asyncio.wait_for(main(), 30))
+    assert (ok, ok_too, bad) == (200, 200, 400)
+    spans = _by_trace(exporter, tenant)
+    assert spans["POST /v1/completions"].attributes["slotserve.tenant"] == "team-a"
+    assert spans["text_completion tiny"].attributes["slotserve.tenant"] == "team-a"  # the engine's too
+    assert _by_trace(exporter, grpc_trace)[GENERATE_SPAN].attributes["slotserve.tenant"] == "team-a"
+    assert not [s for s in _by_trace(exporter, plain).values() if "slotserve.tenant" in s.attributes]
+    span = _by_trace(exporter, refused)["POST /v1/completions"]
+    assert span.status.status_code is StatusCode.ERROR and span.attributes["slotserve.tenant"] == "team-a"
+
+
 def test_the_slot_aware_router_notes_its_decision_in_the_request():
     from types import SimpleNamespace
 

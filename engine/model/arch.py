@@ -37,7 +37,6 @@ class ModelArch:
     qkv_bias: bool
     qk_norm: bool
     sliding_window: int | None
-    eos_token_ids: frozenset[int]
 
     @property
     def rope_type(self) -> str:
@@ -68,8 +67,6 @@ class ModelArch:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             rope = _rope_parameters(cfg)
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-            eos = cfg.get("eos_token_id")
-            eos_ids = frozenset(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -87,7 +84,6 @@ class ModelArch:
                 qkv_bias=qkv_bias,
                 qk_norm=qk_norm,
                 sliding_window=int(window) if window else None,
-                eos_token_ids=eos_ids,
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source} lacks required field {exc.args[0]!r}") from exc

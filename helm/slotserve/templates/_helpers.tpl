@@ -134,6 +134,7 @@ Tenants with their defaults, and where each one's Secret is mounted: the volume 
       "shareCache" (default false (index $t "shareCache"))
       "maxConcurrentRequests" (index $t "maxConcurrentRequests")
       "maxTokensPerMinute" (index $t "maxTokensPerMinute")
+      "maxWaiting" (index $t "maxWaiting")
       "weight" (default 1 (index $t "weight"))
       "volume" (printf "tenant-%d" $i)
       "mountPath" $dir

@@ -64,6 +64,9 @@ builds every ci/ rendering through AppConfig.from_args and Ray's ServeDeploySche
 {{- if not (kindIs "invalid" $t.maxTokensPerMinute) }}
 {{- $_ := set $tenant "max_tokens_per_minute" $t.maxTokensPerMinute }}
 {{- end }}
+{{- if not (kindIs "invalid" $t.maxWaiting) }}
+{{- $_ := set $tenant "max_waiting" $t.maxWaiting }}
+{{- end }}
 {{- $tenants = append $tenants $tenant }}
 {{- end }}
 {{- with $tenants }}
