@@ -58,10 +58,14 @@ class Sample:
     """When each of its tokens came."""
 
 
-def app_args(model_dir: str, slots: int, max_waiting: int, quantization: str | None) -> dict:
+def app_args(model_dir: str, slots: int, max_waiting: int, quantization: str | None, name: str) -> dict:
     engine = {"device": "cpu", "max_num_seqs": slots, "max_waiting": max_waiting, "max_model_len": 1024}
     if quantization:
         engine["quantization"] = quantization
+    if quantization == "gguf":  # a built-in model's own file, as ``slotserve serve`` reads it
+        from engine.models_hub import resolve_gguf
+
+        engine["gguf_file"] = str(resolve_gguf(name, Path(model_dir), None))
     return {"model": model_dir, "served_model_name": "bench", "engine": engine, "num_replicas": 1,
             "replica_resources": {"num_cpus": 1}, "ingress": {"num_cpus": 0.25}, "drain_timeout_s": 5,
             "tenants": [{"name": name, "api_keys": [key]} for name, key in KEYS.items()]}
@@ -196,7 +200,7 @@ def run(args, load: Load) -> dict:
     with tempfile.TemporaryDirectory(prefix="slotserve-fairness-") as scratch:
         model = with_tokenizer(str(resolve_default_model(args.model)), Path(scratch) / "served")
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        app = app_args(model, args.slots, args.max_waiting, args.quantization)
+        app = app_args(model, args.slots, args.max_waiting, args.quantization, args.model)
         with served(app, args.num_cpus) as stub, concurrent.futures.ThreadPoolExecutor(load.flood + 64) as pool:
             clients = Clients(stub, vocab, load)
             clients.one("b", KEYS["b"], "warm-up", load.b_prompt, load.b_output)  # compile, fill caches
