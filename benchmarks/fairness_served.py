@@ -58,8 +58,11 @@ class Sample:
     """When each of its tokens came."""
 
 
-def app_args(model_dir: str, slots: int, max_waiting: int, quantization: str | None, name: str) -> dict:
+def app_args(model_dir: str, slots: int, max_waiting: int, quantization: str | None, name: str,
+             budget: int | None = None) -> dict:
     engine = {"device": "cpu", "max_num_seqs": slots, "max_waiting": max_waiting, "max_model_len": 1024}
+    if budget is not None:
+        engine["max_num_batched_tokens"] = budget
     if quantization:
         engine["quantization"] = quantization
     if quantization == "gguf":  # a built-in model's own file, as ``slotserve serve`` reads it
@@ -200,7 +203,8 @@ def run(args, load: Load) -> dict:
     with tempfile.TemporaryDirectory(prefix="slotserve-fairness-") as scratch:
         model = with_tokenizer(str(resolve_default_model(args.model)), Path(scratch) / "served")
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        app = app_args(model, args.slots, args.max_waiting, args.quantization, args.model)
+        app = app_args(model, args.slots, args.max_waiting, args.quantization, args.model,
+                       args.max_num_batched_tokens)
         with served(app, args.num_cpus) as stub, concurrent.futures.ThreadPoolExecutor(load.flood + 64) as pool:
             clients = Clients(stub, vocab, load)
             clients.one("b", KEYS["b"], "warm-up", load.b_prompt, load.b_output)  # compile, fill caches
@@ -211,7 +215,8 @@ def run(args, load: Load) -> dict:
                     clients.run_phase(phase, pool, lambda: bar.update(1))
                     wait_idle(stub)
     return {"command": "python -m benchmarks.fairness_served " + " ".join(sys.argv[1:]), "model": args.model,
-            "quantization": args.quantization, "slots": args.slots, "load": load.__dict__,
+            "quantization": args.quantization, "slots": args.slots,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "load": load.__dict__,
             "phases": figures(clients.samples, load), "environment": environment(None, None),
             "samples": clients.samples}
 
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="gguf", help="the engine's quantization ('' for none)")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--max-waiting", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's token budget a step")
     ap.add_argument("--num-cpus", type=int, default=None)
     ap.add_argument("--seconds", type=float, default=Load.seconds)
     ap.add_argument("--rate", type=float, default=Load.rate)

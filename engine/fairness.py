@@ -61,6 +61,12 @@ class WaitQueue:
                     best = (key, req)
         return None if best is None else best[1]
 
+    def head_except(self, tenant: str | None) -> Request | None:
+        """What ``peek`` would give if ``tenant`` had nothing waiting."""
+        heads = [(prio, self.service.get(t, 0.0), seq, req) for t, heap in self._heaps.items() if heap and t != tenant
+                 for prio, seq, req in heap[:1]]
+        return min(heads, key=lambda row: row[:3])[3] if heads else None
+
     def pop(self) -> Request:
         req = self.peek()
         heapq.heappop(self._heaps[req.tenant])

@@ -151,8 +151,11 @@ class Scheduler:
         self._scored_left = MAX_SCORED_TOKENS
         scheduled: dict[int, ScheduledChunk] = {}
         # Decodes before the rest of chunked prefills (a recomputed request keeps its old
-        # seq_no and would otherwise take the whole budget ahead of decoding requests).
-        self.running.sort(key=lambda r: (len(r.token_ids) - r.num_computed_tokens > 1, r.priority, r.seq_no))
+        # seq_no and would otherwise take the whole budget ahead of decoding requests); prefills
+        # by their tenant's counter, so one tenant's long prompts do not take every step's budget.
+        served = self.waiting.service
+        self.running.sort(key=lambda r: (prefill := len(r.token_ids) - r.num_computed_tokens > 1, r.priority,
+                                         served.get(r.tenant, 0.0) if prefill else 0.0, r.seq_no))
         block_size = self.blocks.block_size
         spec = self.speculator
         if spec is not None and not spec.active(len(self.running)):
@@ -164,7 +167,13 @@ class Scheduler:
                 self._preempt(pair[0], scheduled, out, PREEMPT_FAIR_SHARE)
                 out.shared.append(pair[0].request_id)
                 self._first = pair[1]
+        ahead = not self.static
         for req in list(self.running):
+            if ahead and len(req.token_ids) - req.num_computed_tokens > 1:
+                ahead = False  # less-served tenants' requests start before this tenant's prompts go on
+                self._first = self._first or self.waiting.head_except(req.tenant)
+                budget = self._admit(budget, scheduled, out, before=req)
+                self._first = None
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -253,19 +262,26 @@ class Scheduler:
             return req
         return self.waiting.pop()
 
-    def _admit(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput) -> int:
+    def _admit(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput,
+               before: Request | None = None) -> int:
+        """Admit waiting requests while slots and ``budget`` allow. ``before``: a running request's
+        prefill about to be scheduled: admit only requests of other tenants served no more than its."""
         passed_over: list[Request] = []  # their adapter has no slot this step; they keep their place
         try:
-            return self._admit_waiting(budget, scheduled, out, passed_over)
+            return self._admit_waiting(budget, scheduled, out, passed_over, before)
         finally:
             for req in passed_over:
                 self.waiting.push(req)
 
     def _admit_waiting(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput,
-                       passed_over: list[Request]) -> int:
+                       passed_over: list[Request], before: Request | None = None) -> int:
+        served = self.waiting.service
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_candidate()
             if req is None:
+                break
+            if before is not None and (req.tenant == before.tenant or req.priority > before.priority
+                                       or served.get(req.tenant, 0.0) > served.get(before.tenant, 0.0)):
                 break
             # Prompt logprobs (or a mean embedding) need every prompt position: nothing comes from the cache.
             cached, hashes = (([], []) if req.reads_whole_prompt

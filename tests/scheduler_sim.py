@@ -96,8 +96,8 @@ class Sim:
         sizes = [c.num_tokens for c in out.chunks]
         assert sizes == sorted(sizes, key=lambda n: n > 1), "decodes must come first"
         assert set(out.admitted) <= set(ids)
-        if set(out.preempted) - set(out.shared):
-            assert out.admitted == [], "a step whose KV pool ran dry must not admit"
+        if set(out.preempted) - set(out.shared):  # but a request a slot was freed for may come first
+            assert len(out.admitted) <= len(out.shared), "a step whose KV pool ran dry must not admit"
         assert len(out.shared) <= 1, "a slot changes hands at most once a step"
         for rid in out.preempted:
             assert rid not in ids and self.requests[rid].block_ids == []

@@ -102,6 +102,21 @@ def test_a_tenant_under_its_share_of_the_slots_takes_one_at_once():
     assert [sim.requests[rid].tenant for o in sim.steps for rid in o.shared] == ["a", "a"]
 
 
+def test_a_tenants_short_prompt_is_not_held_behind_another_tenants_long_prefills():
+    """a's two 96-token prompts hold both slots and take 16-token chunks a step; b's prompt gets the
+    freed slot and its tokens in the same step, not after a's prompts are done."""
+    sim = _sim(max_num_seqs=2, max_num_batched_tokens=16, num_blocks=256)
+    for i in range(3):
+        sim.add(96, max_tokens=4, tenant="a", rid=f"a{i}")
+    sim.step()
+    sim.step()
+    b = sim.add(8, max_tokens=2, tenant="b", rid="b0")
+    out = sim.step()
+    assert out.admitted == ["b0"] and "b0" in sim.sampled, sim.scheduled(out)
+    sim.drain()
+    assert b.finish_reason == "length"
+
+
 def test_shares_follow_weights_and_priority():
     sim = _flooded(slots=4, weight=3.0)  # a's share: 3 of 4 slots
     sim.add(8, max_tokens=30, tenant="b", rid="b0")
