@@ -96,6 +96,9 @@ def _metered(meter: _HookMeter, provider, recorder):
         def on_request(self, *args):
             meter.call(self._span.on_request, *args)
 
+        def on_tenant(self, *args):
+            meter.call(self._span.on_tenant, *args)
+
         def end(self, *args, **kwargs):
             meter.call(self._span.end, *args, **kwargs)
 
