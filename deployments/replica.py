@@ -231,7 +231,7 @@ class EngineReplica:
         return {"model": self._model, "model_path": str(self._engine.model_path),
                 "max_model_len": self._engine.max_model_len, "vocab_size": self._engine.vocab_size,
                 "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
-                "quantization": config.model.quantization or "none",
+                "quantization": self._engine.quantization,
                 "pooling": pooling_of(self._engine.model_path), "hidden_size": self._engine.hidden_size,
                 "replica_id": self.replica_id}
 

@@ -136,6 +136,11 @@ class AsyncEngine:
         return self.engine.model_path
 
     @property
+    def quantization(self) -> str:
+        """How the weights are held (a checkpoint's own scheme included): ``none``, ``gguf``, ``fp8``..."""
+        return self.engine.runner.quantization or "none"
+
+    @property
     def hidden_size(self) -> int:
         """Dimensions of the model's embeddings (``SamplingParams.pooling``)."""
         return self.engine.arch.hidden_size

@@ -29,6 +29,7 @@ def cache_dir(kind: str) -> Path:
 SCHEDULING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")
+QUANTIZATIONS = ("gguf", "int8", "fp8", "int4", "awq", "gptq")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "varlen", "flash", "fa3", "triton")
 
 
@@ -45,11 +46,15 @@ class ModelConfig:
     """Longest prompt + output; defaults to the model's ``max_position_embeddings``."""
     seed: Int = Field(0, ge=0)
     """Seed for requests that do not bring their own."""
-    quantization: Literal["gguf", "int8"] | None = None
-    """CPU, fewer bytes read a step. ``gguf``: linear layers, the LM head and the embedding multiply the
+    quantization: Literal[QUANTIZATIONS] | None = None
+    """Fewer bytes read a step. CPU: ``gguf``: linear layers, the LM head and the embedding multiply the
     GGUF file's blocks in place instead of de-quantized weights (engine.model.quant). The file is
     ``gguf_file``, else the built-in model's own, else the one ``*.gguf`` in the model directory.
-    ``int8``: the checkpoint's weights rounded at load to int8 with a scale per 32 (engine.model.int8)."""
+    ``int8``: the checkpoint's weights rounded at load to int8 with a scale per 32 (engine.model.int8).
+    GPU (engine.model.gpu_quant): FP8, AWQ and GPTQ checkpoints are recognised by their config.json
+    (``fp8``, ``awq``, ``gptq`` may name them); on a dense checkpoint ``fp8`` rounds the decoder's linear
+    layers to e4m3 with a scale per output channel and ``int4`` to 4 bits with a scale and zero point
+    per 128 inputs."""
     gguf_file: Str | None = Field(None, min_length=1)
     """The GGUF file of the same model as ``model`` for ``quantization: gguf``."""
 
@@ -151,7 +156,7 @@ class SpeculativeConfig:
     smaller model with the target's tokenizer, run in the same replica (engine.spec_draft)."""
     model: Str | None = Field(None, min_length=1)
     """``draft_model``'s model: a local HF directory or a built-in name, as ``model.model``."""
-    quantization: Literal["gguf", "int8"] | None = None
+    quantization: Literal[QUANTIZATIONS] | None = None
     """The draft model's weights, as ``model.quantization`` (None: its dtype, de-quantized)."""
     draft_tensor_parallel_size: Int = Field(1, ge=1, le=1)
     """The draft runs on the target's first device, whole (vLLM's name; only 1 here)."""

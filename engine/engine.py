@@ -92,7 +92,7 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
                                   kv_blocks_total=self.runner.num_blocks, block_size=bs,
                                   weights_bytes=self.runner.param_bytes,
                                   weights_format=(str(self.runner.dtype).removeprefix("torch."),
-                                                  config.model.quantization or "none"),
+                                                  self.runner.quantization or "none"),
                                   kv_cache_bytes=sum(t.numel() * t.element_size() for r in self._runners
                                                      for kv in r.kv_caches for t in kv))
         logger.info("engine ready in %.1f s: %s (%s), max_model_len %d, %d KV blocks x %d tokens, %s on %s",

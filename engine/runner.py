@@ -30,6 +30,8 @@ from engine.memory import MemoryBudget, dummy_prefill, measure_peak, outside_tor
 from engine.lora import LoRAModel
 from engine.model import ModelArch, load_model
 from engine.model.compiled import CompiledDecoder
+from engine.model.gpu_quant import resolve_scheme
+from engine.model.quant_checkpoint import describe_quantized, quantize_dense
 from engine.model.layers import AMX_MAX_ROWS, amx_supported, cpu_prepack_supported
 from engine.parallel import ParallelGroup
 from engine.sampler import PROMPT_ROWS_AT_ONCE, Sampler, SamplingBatch, prompt_logprobs
@@ -78,18 +80,27 @@ class ModelRunner:
         self.backend = create_backend(config.attention_backend, self.device, heads.q_count, heads.kv_count,
                                       arch.head_dim, self.block_size, self.dtype, config.cache.kv_cache_dtype)
         t0 = time.perf_counter()
-        self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len)
+        scheme = resolve_scheme(model_path, config.model.quantization)
+        self.quantization = config.model.quantization if scheme is None else scheme.source
+        """How the weights are held: ``none``, ``gguf``, ``int8``, or a GPU scheme's source."""
+        self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len,
+                                None if scheme is None or scheme.source == "dense" else scheme)
         weights = str(self.dtype).removeprefix("torch.")
-        if config.model.quantization is not None and self.device.type != "cpu":
-            raise ModelLoadError(f"quantization {config.model.quantization} runs on CPU "
-                                 "(GPU checkpoints: fp8 and int4 are planned)")
-        if config.model.quantization == "gguf":
+        if config.model.quantization in ("gguf", "int8") and self.device.type != "cpu":
+            raise ModelLoadError(f"quantization {config.model.quantization} runs on CPU (on GPU: fp8, int4, awq, gptq)")
+        if scheme is not None:
+            if scheme.source == "dense":
+                quantize_dense(self.model, scheme.kind, self.device)
+                self.quantization = scheme.kind
+            weights = describe_quantized(self.model, scheme, weights)
+        elif config.model.quantization == "gguf":
             weights = self._attach_gguf(model_path)
         elif config.model.quantization == "int8":
             from engine.model.int8 import attach_int8
             attach_int8(self.model)
             weights = f"int8 blocks of 32 made from {weights}"
-        quantized = (b for name, b in self.model.named_buffers() if name.rsplit(".", 1)[-1] in ("qweight", "qscale", "qmin"))
+        quantized = (b for name, b in self.model.named_buffers()
+                     if ".wq." in name or name.rsplit(".", 1)[-1] in ("qweight", "qscale", "qmin"))
         self.param_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *quantized))
         logger.info("weights loaded in %.1f s: %s, %.0f MiB in %s", time.perf_counter() - t0, model_path.name,
                     self.param_bytes / (1 << 20), weights)

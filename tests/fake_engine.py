@@ -46,6 +46,7 @@ class FakeAsyncEngine:
         self.max_model_len = config.model.max_model_len or max_model_len
         self.model_path = config.model.model
         self.hidden_size = 8
+        self.quantization = config.model.quantization or "none"
         self.eos_token_id = eos_token_id
         self.step_delay_s = step_delay_s
         self._running: "OrderedDict[str, _Req]" = OrderedDict()

@@ -114,4 +114,4 @@ def test_served_config_takes_int8_and_refuses_other_names():
     from engine.config import EngineConfig
     assert EngineConfig.from_options(model="m", quantization="int8").model.quantization == "int8"
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig.from_options(model="m", quantization="int4")
+        EngineConfig.from_options(model="m", quantization="int3")

@@ -103,6 +103,7 @@ def _quantizable(module: nn.Module) -> None:
     for name in ("qweight", "qscale", "qmin"):  # qscale, qmin: packed for the int8 kernel
         module.register_buffer(name, None, persistent=False)
     module.qtype = None  # set once quantized
+    module.register_module("wq", None)  # weights kept quantized on the GPU (engine.model.gpu_quant)
     module.qparts = None  # a fused layer's parts, where their types differ (engine.model.quant.QuantPart)
 
 
@@ -138,7 +139,7 @@ class LinearBase(nn.Module):
         _copy_checked(param, _whole(loaded), type(self).__name__)
 
     def prepack(self, batch_hint: int, amx: bool = False) -> None:
-        if self.qtype is not None:  # served from its quantized blocks
+        if self.qtype is not None or self.wq is not None:  # served from its quantized weights
             return
         self.amx = pack_amx(self.weight) if amx else None
         self.packed = pack_weight(self.weight, batch_hint)
@@ -149,6 +150,9 @@ class LinearBase(nn.Module):
         bias = self.bias if with_bias else None
         if self.qtype is not None:  # the GGUF blocks (engine.model.quant)
             out = quant_linear(x, self)
+            out = out if bias is None else out + bias
+        elif self.wq is not None:  # FP8 or INT4 (engine.model.gpu_quant)
+            out = self.wq(x)
             out = out if bias is None else out + bias
         elif compiling and self.packed is not None:
             # A packed oneDNN weight cannot be traced: the graph names the layer.

@@ -16,7 +16,9 @@ import torch
 from engine.attention import AttentionBackend
 from engine.errors import ModelLoadError
 from engine.model.arch import ModelArch
+from engine.model.gpu_quant import QuantScheme
 from engine.model.llama import DecoderForCausalLM, PACKED
+from engine.model.quant_checkpoint import QuantCollector
 from engine.parallel import ParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,9 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: Path, arch: ModelArch, group: ParallelGroup, backend: AttentionBackend,
-               dtype: torch.dtype, device: torch.device, max_positions: int) -> DecoderForCausalLM:
+               dtype: torch.dtype, device: torch.device, max_positions: int,
+               scheme: QuantScheme | None = None) -> DecoderForCausalLM:
+    """``scheme``: the checkpoint's quantization (engine.model.gpu_quant), whose layers stay quantized."""
     from safetensors import SafetensorError, safe_open
 
     files = checkpoint_files(path)
@@ -65,10 +69,18 @@ def load_model(path: Path, arch: ModelArch, group: ParallelGroup, backend: Atten
         elif "gate_up_proj" in n:
             expected |= {(n, 0), (n, 1)}
     loaded: set[tuple[str, object]] = set()
+    collector = None
+    if scheme is not None:
+        if group.world_size > 1:
+            raise ModelLoadError(f"a {scheme.source} checkpoint is served on one GPU: its tensor-parallel "
+                                 "sharding is not built yet (quantization fp8 or int4 of a dense checkpoint shards)")
+        collector = QuantCollector(scheme, model)
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    if collector is not None and collector.take(name, f):
+                        continue
                     target = model.parameter_for(name)
                     if target is None:
                         continue
@@ -84,6 +96,8 @@ def load_model(path: Path, arch: ModelArch, group: ParallelGroup, backend: Atten
                     loaded.add((pname, part))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+    if collector is not None:
+        loaded |= collector.finish(device, dtype)
     missing = sorted(f"{n}[{p}]" if p is not None else n for n, p in expected - loaded)
     if missing:
         raise ModelLoadError(f"{path} lacks weights for: {', '.join(missing[:10])}"
