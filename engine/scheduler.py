@@ -160,20 +160,21 @@ class Scheduler:
         spec = self.speculator
         if spec is not None and not spec.active(len(self.running)):
             spec = None
-        self._first = None
+        self._first = share = None
         if self.waiting and not self.static and len(self.running) >= self.config.max_num_seqs:
             pair = self.waiting.share_victim(self.running, self.config.max_num_seqs)
             if pair is not None:  # the candidate, not the queue's head, takes the slot it was freed for
                 self._preempt(pair[0], scheduled, out, PREEMPT_FAIR_SHARE)
                 out.shared.append(pair[0].request_id)
-                self._first = pair[1]
+                self._first = share = pair[1]
         ahead = not self.static
         for req in list(self.running):
             if ahead and len(req.token_ids) - req.num_computed_tokens > 1:
                 ahead = False  # less-served tenants' requests start before this tenant's prompts go on
                 self._first = self._first or self.waiting.head_except(req.tenant)
-                budget = self._admit(budget, scheduled, out, before=req)
-                self._first = None
+                budget = self._admit(budget, scheduled, out, before=req, share=share)
+                # Kept while not admitted (no blocks yet, say): the slot was freed for it, not the queue's head.
+                self._first = share if share is not None and share.status is not RequestStatus.RUNNING else None
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -263,24 +264,26 @@ class Scheduler:
         return self.waiting.pop()
 
     def _admit(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput,
-               before: Request | None = None) -> int:
+               before: Request | None = None, share: Request | None = None) -> int:
         """Admit waiting requests while slots and ``budget`` allow. ``before``: a running request's
-        prefill about to be scheduled: admit only requests of other tenants served no more than its."""
+        prefill about to be scheduled: admit only requests of other tenants served no more than its,
+        and ``share``, the request a slot was freed for this step, whatever its tenant."""
         passed_over: list[Request] = []  # their adapter has no slot this step; they keep their place
         try:
-            return self._admit_waiting(budget, scheduled, out, passed_over, before)
+            return self._admit_waiting(budget, scheduled, out, passed_over, before, share)
         finally:
             for req in passed_over:
                 self.waiting.push(req)
 
     def _admit_waiting(self, budget: int, scheduled: dict[int, ScheduledChunk], out: SchedulerOutput,
-                       passed_over: list[Request], before: Request | None = None) -> int:
+                       passed_over: list[Request], before: Request | None = None,
+                       share: Request | None = None) -> int:
         served = self.waiting.service
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_candidate()
             if req is None:
                 break
-            if before is not None and (req.tenant == before.tenant or req.priority > before.priority
+            if before is not None and req is not share and (req.tenant == before.tenant or req.priority > before.priority
                                        or served.get(req.tenant, 0.0) > served.get(before.tenant, 0.0)):
                 break
             # Prompt logprobs (or a mean embedding) need every prompt position: nothing comes from the cache.

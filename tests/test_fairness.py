@@ -144,3 +144,29 @@ def test_the_benchmark_shares_tokens_by_weight_where_round_robin_does_not():
     for name, share in (("long", 0.25), ("short", 0.25), ("short-x2", 0.5)):
         assert abs(vtc[name]["share"] - share) < 0.03, vtc
     assert rr["long"]["share"] > 0.6, rr
+
+
+def test_the_slot_freed_for_a_tenant_goes_to_it_in_that_step():
+    """Whenever a share preemption frees a slot, the request it was freed for takes it in that step:
+    also when that tenant's own prompt is the first running prefill (whose early admission takes only
+    other tenants' requests) and when that prefill would take the step's whole budget. Random arrivals
+    of three tenants; without this the preempted request lost its KV for a slot left empty or given to
+    the queue's head."""
+    import random
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        sim = _sim(max_num_seqs=6, max_num_batched_tokens=24, num_blocks=1024)
+        chosen = []
+        pick = sim.sched.waiting.share_victim
+        sim.sched.waiting.share_victim = lambda *a: chosen.append(pick(*a)) or chosen[-1]
+        for step in range(150):
+            if step % 2 == 0:
+                tenant = rng.choice("aabc")
+                sim.add(rng.choice([4, 8, 60, 90]), max_tokens=rng.choice([2, 30]), tenant=tenant,
+                        rid=f"{tenant}{step}")
+            chosen.clear()
+            out = sim.step()
+            if out.shared:
+                assert chosen[-1][1].request_id in out.admitted, (seed, step, out.admitted)
+        sim.drain()
