@@ -99,6 +99,10 @@ class ModelRunner:
             from engine.model.int8 import attach_int8
             attach_int8(self.model)
             weights = f"int8 blocks of 32 made from {weights}"
+        if config.model.quantization in ("gguf", "int8"):
+            from engine.model.quant import make_batch_invariant
+            if make_batch_invariant(self.model) and hasattr(self.backend, "batch_invariant"):
+                self.backend.batch_invariant = True  # the CPU kernel: one arithmetic for every row
         quantized = (b for name, b in self.model.named_buffers()
                      if ".wq." in name or name.rsplit(".", 1)[-1] in ("qweight", "qscale", "qmin"))
         self.param_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *quantized))

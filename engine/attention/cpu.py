@@ -44,6 +44,16 @@ class CpuAttentionBackend(AttentionBackend):
     supports_cuda_graphs = False
     graph_context_buckets = False
 
+    batch_invariant = False
+    """Every row of every step through the paged kernel, which computes each query row alone in one
+    order: a row's output is then the same bits whatever its chunk, its batch or a cached prefix. The
+    runner sets it where linear layers round activations to int8 (engine.model.quant.make_batch_invariant):
+    SDPA and the kernel differ by float32 ulps, and one rounding flipped by them grows, layer by layer,
+    into percent-sized hidden-state differences (a prefix hit then changed greedy text, issue 47).
+    Chunks of up to ~512 rows run as fast or faster on the kernel; a 2048-row first chunk takes 1.4x
+    SDPA's attention time (80 against 56 ms a layer, one thread of the 2-core AVX-512 host), a 512-row
+    chunk after 1536 cached tokens 1.2x (37 against 31 ms)."""
+
     def __init__(self, num_heads, num_kv_heads, head_dim, block_size, kv_cache_dtype="auto"):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         ops = load_kernel()
@@ -71,8 +81,9 @@ class CpuAttentionBackend(AttentionBackend):
 
     def decode_step_index(self, meta: AttentionMetadata) -> list[torch.Tensor]:
         """What ``slotserve_cpu::attention`` (engine/csrc/attention_step.cpp) reads for a decode-only
-        step, which it serves in C++ as ``forward`` would; nothing for any other step."""
-        if meta.num_decodes != len(meta.query_lens):
+        step (any step when ``batch_invariant``: one kernel call serves it), which it serves in C++ as
+        ``forward`` would; nothing for any other step."""
+        if meta.num_decodes != len(meta.query_lens) and not self.batch_invariant:
             return []
         return [meta.slot_mapping, meta.cu_seqlens_q, meta.seqlens_k, meta.block_table]
 
@@ -81,7 +92,7 @@ class CpuAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
         d, lens = meta.num_decodes, meta.query_lens
-        if d == len(lens):  # a decode-only step (most steps): one kernel call, no slicing
+        if d == len(lens) or self.batch_invariant:  # decode-only (most steps) or exact: one kernel call
             self._kernel(out, q, k_cache, v_cache, meta.cu_seqlens_q, meta.seqlens_k, meta.block_table, self.scale)
             return out.view(q.shape[0], -1)
         if d:

@@ -298,13 +298,15 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   T* op = out.data_ptr<T>();
   const int64_t items = rows * s.kv_heads, G = s.group, D = s.head_dim;
   const float fscale = static_cast<float>(scale);
-  // Dynamic schedule: rows differ in length (decodes come sorted longest first).
+  // Dynamic schedule: rows differ in length (decodes come sorted longest first). Decodes row-major (a block holds
+  // a request's heads side by side); chunks head-major: next rows reread a head's K/V from L2 (2048 rows: -40 %).
+  const bool by_head = rows > batch;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch work(G, D, longest);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t row = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t row = by_head ? item % rows : item / s.kv_heads, h = by_head ? item / rows : item % s.kv_heads;
       const int64_t len = row_len[row];
       if (len <= 0) continue;
       const int32_t* blocks = table + row_request[row] * s.table_width;

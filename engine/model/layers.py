@@ -105,6 +105,7 @@ def _quantizable(module: nn.Module) -> None:
     module.qtype = None  # set once quantized
     module.register_module("wq", None)  # weights kept quantized on the GPU (engine.model.gpu_quant)
     module.qparts = None  # a fused layer's parts, where their types differ (engine.model.quant.QuantPart)
+    module.qexact = False  # large steps summed as small ones (engine.model.quant.make_batch_invariant)
 
 
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:

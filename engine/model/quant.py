@@ -16,8 +16,9 @@ the LM head) instead holds the file's blocks and multiplies them in place:
 The built-in model's converted checkpoint holds the file's values rounded to bfloat16; the blocks
 are the values themselves. On the float32 kernel, steps of more than ``QUANT_MAX_ROWS`` rows
 (prefill chunks) de-quantize the layer's weight for one GEMM: a few hundred microseconds a layer of
-the default model, small beside a GEMM of that many rows. The int8 kernel beats that GEMM at every
-size measured and takes every step.
+the default model, small beside a GEMM of that many rows (in a model with int8 layers, dense tiles
+summed as the block kernel sums instead: ``make_batch_invariant``). The int8 kernel beats that GEMM
+at every size measured and takes every step.
 """
 
 from __future__ import annotations
@@ -75,7 +76,20 @@ def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
     if layer.qscale is not None:
         return torch.ops.slotserve_cpu.gguf_mm_packed(x, layer.qweight, layer.qscale, layer.qmin, layer.qtype,
                                                       INT8_MAX_ROWS)
-    return torch.ops.slotserve_cpu.gguf_mm(x, layer.qweight, layer.qtype, QUANT_MAX_ROWS)
+    return torch.ops.slotserve_cpu.gguf_mm(x, layer.qweight, layer.qtype, QUANT_MAX_ROWS, layer.qexact)
+
+
+def make_batch_invariant(model: torch.nn.Module) -> bool:
+    """Whether any layer of ``model`` runs the int8 kernel. Its rounding of inputs to int8 turns a float32
+    ulp upstream into a whole step, which grows layer by layer into percent-sized differences (issue 47:
+    a prefix hit changed greedy text). If so, float32-kernel layers sum steps of any size as their block
+    kernel does (``qexact``), so a row gets the same bits in any batch; the runner has attention do the
+    same (CpuAttentionBackend.batch_invariant). Without int8 layers, ulps stay ulps: the GEMM stays."""
+    exact = any(getattr(m, "qscale", None) is not None for m in model.modules())
+    for module in model.modules():
+        if getattr(module, "qtype", None) is not None:
+            module.qexact = exact
+    return exact
 
 
 def quant_rows(ids: torch.Tensor, layer) -> torch.Tensor:
@@ -166,7 +180,7 @@ def load_ops() -> None:
     load_kernel()
 
     @torch.library.register_fake("slotserve_cpu::gguf_mm")
-    def _(x, blocks, qtype, max_rows):
+    def _(x, blocks, qtype, max_rows, exact=False):
         return x.new_empty(x.shape[0], blocks.shape[0])
 
     @torch.library.register_fake("slotserve_cpu::gguf_mm_packed")
@@ -266,7 +280,7 @@ class QuantPart(torch.nn.Module):
         super().__init__()
         for name in ("qweight", "qscale", "qmin"):
             self.register_buffer(name, None, persistent=False)
-        self.qtype, self.qparts = None, None
+        self.qtype, self.qparts, self.qexact = None, None, False
 
 
 def hold_blocks(module, parts: list[GGUFTensor], in_features: int) -> None:
