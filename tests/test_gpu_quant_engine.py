@@ -81,7 +81,7 @@ def _hf_greedy(hf, prompt, n):
 def _assert_matches_hf(llm, hf) -> None:
     """Greedy tokens equal HF's; every prompt token's log-probability within 1e-4 nats of HF's."""
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))

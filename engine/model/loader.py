@@ -72,7 +72,7 @@ def load_model(path: Path, arch: ModelArch, group: ParallelGroup, backend: Atten
     collector = None
     if scheme is not None:
         if group.world_size > 1:
-            raise ModelLoadError(f"a {scheme.source} checkpoint is served on one GPU: its tensor-parallel "
+            raise ModelLoadError(f"{scheme.source} checkpoints are served on one GPU: their tensor-parallel "
                                  "sharding is not built yet (quantization fp8 or int4 of a dense checkpoint shards)")
         collector = QuantCollector(scheme, model)
     for file in files:

@@ -188,7 +188,8 @@ def describe_quantized(model, scheme: QuantScheme, dtype_name: str) -> str:
         kernel = "torch._scaled_mm, activations per token" if held[0].use_scaled_mm else "Triton W8A16"
         what = f"float8 e4m3, a scale per {scales} ({kernel})"
     else:
-        what = f"int4, a scale and zero point per {held[0].group} inputs (Triton W4A16)"
+        groups = " or ".join(str(g) for g in sorted({w.group for w in held}, reverse=True))
+        what = f"int4, a scale and zero point per {groups} inputs (Triton W4A16)"
     source = "rounded at load" if scheme.source == "dense" else f"from the {scheme.source} checkpoint"
     return f"{len(held)} linear layers {what} {source}, {sum(w.nbytes() for w in held) / 2**20:.0f} MiB; " \
            f"LM head and embedding {dtype_name}"
