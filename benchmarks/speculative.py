@@ -6,7 +6,9 @@ process, one engine after the other:
 
 Methods: ``off``; ``ngram`` (prompt lookup); ``draft`` (``draft_model``: the model's own GGUF file
 as the draft of its de-quantized weights, so the draft reads ~5x fewer bytes a step and agrees
-with the target nearly always). ``disable_by_batch_size`` is unset at every level, so the cost
+with the target nearly always); ``eagle3`` (the head ``--eagle3-head`` names, by default a random
+head of the model's shapes from benchmarks.eagle3_head: it accepts almost nothing, so with
+``--always`` the figures are what the head and verifying k drafts cost). ``disable_by_batch_size`` is unset at every level, so the cost
 model alone decides when to draft (engine.spec_cost); ``--always`` turns it off, which shows
 where drafts stop paying.
 
@@ -38,10 +40,11 @@ FREE = ["Write a short poem about the sea.", "Explain gravity simply.", "Tell a 
 WORKLOADS = {"copy": COPY, "free": FREE}
 
 
-def _methods(names: list[str], model: str, k: int, cost_model: bool) -> dict[str, dict | None]:
+def _methods(names: list[str], model: str, k: int, cost_model: bool, head: str) -> dict[str, dict | None]:
     spec = {"num_speculative_tokens": k, "disable_by_batch_size": None, "cost_model": cost_model}
     known = {"off": None, "ngram": {"method": "ngram", **spec},
-             "draft": {"method": "draft_model", "model": model, "quantization": "gguf", **spec}}
+             "draft": {"method": "draft_model", "model": model, "quantization": "gguf", **spec},
+             "eagle3": {"method": "eagle3", "model": head, **spec}}
     return {n: known[n] for n in names}
 
 
@@ -105,15 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--always", action="store_true", help="cost_model off: draft all k whenever a draft is found")
+    ap.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head for the model (default: a random one)")
     ap.add_argument("--out", default="bench-out/speculative.json")
     args = ap.parse_args(argv)
+    head = args.eagle3_head
+    if head is None and "eagle3" in args.methods.split(","):
+        from benchmarks.eagle3_head import write_random_head
+        head = str(write_random_head(args.model, Path(args.out).parent / "eagle3-head"))
     from engine import LLM
     from engine.cpu_features import host_cpu
 
     levels = [int(v) for v in args.levels.split(",")]
     report = {"environment": {"host_cpu": host_cpu()}, "model": args.model, "k": args.k, "dtype": args.dtype,
+              "eagle3_head": head,
               "max_tokens": args.max_tokens, "cost_model": not args.always, "results": {}}
-    for method, spec in _methods(args.methods.split(","), args.model, args.k, not args.always).items():
+    for method, spec in _methods(args.methods.split(","), args.model, args.k, not args.always, head).items():
         llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), speculative_config=spec)
         cells = report["results"][method] = {}
         for workload, prompts in WORKLOADS.items():

@@ -19,10 +19,18 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from engine.validation import Bool, Float, Int, Str, validated
 
 
+CODE_CACHES = ("kernels", "inductor")
+"""Caches of code that is loaded and run (the CPU kernel library, inductor's compiled graphs): a
+process runs whatever it finds there, so where several machines share ``$SLOTSERVE_CACHE`` (a
+Kubernetes volume) these stay in ``$SLOTSERVE_CODE_CACHE``, each machine's own."""
+
+
 def cache_dir(kind: str) -> Path:
     """``$SLOTSERVE_CACHE/<kind>``, default ``~/.cache/slotserve/<kind>``: what slotserve builds once
-    per machine (CPU kernels, compiled graphs)."""
-    root = os.environ.get("SLOTSERVE_CACHE")
+    per machine (converted models, CPU kernels, compiled graphs). The ``CODE_CACHES`` go to
+    ``$SLOTSERVE_CODE_CACHE/<kind>`` where that is set."""
+    code_root = os.environ.get("SLOTSERVE_CODE_CACHE") if kind in CODE_CACHES else None
+    root = code_root or os.environ.get("SLOTSERVE_CACHE")
     return (Path(root) if root else Path("~/.cache/slotserve")).expanduser() / kind
 
 
@@ -141,7 +149,7 @@ class LoRAConfig:
         return adapters
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 
 
 @validated()
@@ -153,9 +161,11 @@ class SpeculativeConfig:
     method: Literal[SPECULATIVE_METHODS]
     """``ngram``: prompt lookup, the tokens that followed the latest earlier occurrence of the
     sequence's last n-gram (no draft model). ``draft_model``: the greedy tokens of ``model``, a
-    smaller model with the target's tokenizer, run in the same replica (engine.spec_draft)."""
+    smaller model with the target's tokenizer, run in the same replica (engine.spec_draft).
+    ``eagle3``: the greedy tokens of ``model``, an EAGLE-3 head trained for the target, which reads
+    the target's hidden states (engine.spec_eagle)."""
     model: Str | None = Field(None, min_length=1)
-    """``draft_model``'s model: a local HF directory or a built-in name, as ``model.model``."""
+    """The draft model or the EAGLE-3 head: a local HF directory or a built-in name, as ``model.model``."""
     quantization: Literal[QUANTIZATIONS] | None = None
     """The draft model's weights, as ``model.quantization`` (None: its dtype, de-quantized)."""
     draft_tensor_parallel_size: Int = Field(1, ge=1, le=1)
@@ -184,9 +194,10 @@ class SpeculativeConfig:
 
     @model_validator(mode="after")
     def _draft_model_named(self) -> "SpeculativeConfig":
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("model (the draft model) is required with method 'draft_model' and only there")
-        if self.quantization is not None and self.model is None:
+        if (self.method in ("draft_model", "eagle3")) != (self.model is not None):
+            raise ValueError("model (the draft model, or the EAGLE-3 head) is required with methods 'draft_model' "
+                             "and 'eagle3' and only there")
+        if self.quantization is not None and self.method != "draft_model":
             raise ValueError("quantization is the draft model's: only with method 'draft_model'")
         return self
 
@@ -227,9 +238,9 @@ class EngineConfig:
     @classmethod
     def _speculation_alone(cls, value: SpeculativeConfig | None, info: ValidationInfo) -> SpeculativeConfig | None:
         parallel = info.data.get("parallel")
-        if (value is not None and value.method == "draft_model" and parallel is not None
+        if (value is not None and value.method != "ngram" and parallel is not None
                 and parallel.tensor_parallel_size > 1):
-            raise ValueError("method 'draft_model' is not supported with tensor_parallel_size > 1 yet "
+            raise ValueError(f"method {value.method!r} is not supported with tensor_parallel_size > 1 yet "
                              "(method 'ngram' is)")
         return value
 

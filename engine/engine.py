@@ -35,6 +35,7 @@ from engine.sampling import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import Speculator
 from engine.spec_draft import DraftModel, kv_width, load_draft_arch
+from engine.spec_eagle import Eagle3Drafter, load_head_arch
 from engine.spec_verify import EngineSpeculation
 from engine.structured import GrammarBook, grammar_step
 
@@ -61,7 +62,8 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         self.max_model_len = self._max_model_len()
         self._timings: dict[str, float] | None = {} if config.profile else None
         self.tp = None  # rank 0's handle on the other tensor-parallel ranks (engine.tp)
-        self.drafter: DraftModel | None = None  # speculative_config's draft model (engine.spec_draft)
+        self.drafter: DraftModel | Eagle3Drafter | None = None
+        """What fills the drafts a step verifies: engine.spec_draft's model, engine.spec_eagle's head."""
         if config.parallel.tensor_parallel_size > 1:
             from engine.tp.driver import start_tensor_parallel
             self.tp, self.runner = start_tensor_parallel(config, self.model_path, self.arch, self.max_model_len,
@@ -93,16 +95,24 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
                                   weights_bytes=self.runner.param_bytes,
                                   weights_format=(str(self.runner.dtype).removeprefix("torch."),
                                                   self.runner.quantization or "none"),
-                                  kv_cache_bytes=sum(t.numel() * t.element_size() for r in self._runners
-                                                     for kv in r.kv_caches for t in kv))
+                                  kv_cache_bytes=self._kv_bytes)
         logger.info("engine ready in %.1f s: %s (%s), max_model_len %d, %d KV blocks x %d tokens, %s on %s",
                     time.monotonic() - started, self.model_path.name, self.arch.architecture, self.max_model_len,
                     self.runner.num_blocks, bs, self.runner.dtype, self.runner.device)
 
     def _start_runners(self) -> ModelRunner:
-        """The target's runner, and a draft model's beside it (``self.drafter``) when one proposes."""
+        """The target's runner, and what drafts beside it (``self.drafter``): a draft model or an
+        EAGLE-3 head."""
         spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
+        method = None if spec is None else spec.method
+        if method == "eagle3":
+            path, ea = load_head_arch(self.config, self.arch)
+            width = kv_width(self.arch)
+            runner = ModelRunner(self.config, self.model_path, self.arch, self.max_model_len,
+                                 pool_share=width / (width + kv_width(ea.layer)), aux_layers=ea.aux_layers)
+            self.drafter = Eagle3Drafter(self.config, runner, path, ea)
+            return runner
+        if method != "draft_model":
             return ModelRunner(self.config, self.model_path, self.arch, self.max_model_len)
         path, arch = load_draft_arch(self.config, self.arch)
         runner = ModelRunner(self.config, self.model_path, self.arch, self.max_model_len,
@@ -111,8 +121,11 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         return runner
 
     @property
-    def _runners(self) -> list[ModelRunner]:
-        return [self.runner] if self.drafter is None else [self.runner, self.drafter.runner]
+    def _kv_bytes(self) -> int:
+        caches = [t for kv in self.runner.kv_caches for t in kv]
+        if self.drafter is not None:
+            caches += self.drafter.kv_tensors
+        return sum(t.numel() * t.element_size() for t in caches)
 
     @classmethod
     def from_options(cls, model: str, **options) -> "LLMEngine":
@@ -268,6 +281,11 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
             for req, tok, lp in zip(reqs, tokens, logprobs):
                 outputs.append(self._append_token(req, tok, lp, now))
             generated = sum(req.params.pooling is None for req in reqs)  # an embedding keeps no token
+        if self.drafter is not None and self.drafter.follows_target:  # with the tokens this step kept
+            td = time.perf_counter()
+            self.drafter.catch_up(sched.chunks, self.runner.aux_rows)
+            if timings is not None:
+                timings["draft"] = timings.get("draft", 0.0) + time.perf_counter() - td
         self._stats.num_steps += 1
         self._stats.num_generated_tokens += generated
         self.step_tokens.append(sched.num_batched_tokens)

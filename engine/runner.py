@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -64,11 +65,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, arch: ModelArch, max_model_len: int,
                  group: ParallelGroup | None = None, device: str | None = None,
-                 agree_blocks: Callable[[int, int], int] | None = None, pool_share: float = 1.0) -> None:
+                 agree_blocks: Callable[[int, int], int] | None = None, pool_share: float = 1.0,
+                 aux_layers: tuple[int, ...] = ()) -> None:
         """``group``/``device``: this rank's place and device (default: alone, ``config.model.device``).
         ``agree_blocks(blocks, param_bytes)``: with tensor parallelism, the KV pool size every
         rank can hold (each sizes its own from its memory). ``pool_share``: the part of the CPU
-        KV budget this model's pool takes (a draft model's pool of as many blocks takes the rest)."""
+        KV budget this model's pool takes (a draft model's pool of as many blocks takes the rest).
+        ``aux_layers``: the layers whose input streams each step keeps (``aux_out``, rows ``aux_rows``)
+        for an EAGLE-3 head (engine.spec_eagle)."""
         self.config = config
         self.group = group or ParallelGroup()
         self.device = torch.device(device) if device is not None else resolve_device(config.model.device)
@@ -85,6 +89,9 @@ class ModelRunner:
         """How the weights are held: ``none``, ``gguf``, ``int8``, or a GPU scheme's source."""
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len,
                                 None if scheme is None or scheme.source == "dense" else scheme)
+        self.model.aux_layers = aux_layers  # before it is compiled: the graph returns them
+        self.aux_rows: dict[int, int] = {}
+        """Each chunk's first row in the last step's ``model.aux_out``, by ``id(chunk)``."""
         weights = str(self.dtype).removeprefix("torch.")
         if config.model.quantization in ("gguf", "int8") and self.device.type != "cpu":
             raise ModelLoadError(f"quantization {config.model.quantization} runs on CPU (on GPU: fp8, int4, awq, gptq)")
@@ -128,7 +135,7 @@ class ModelRunner:
         self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.group.world_size == 1
-                           and self.backend.supports_cuda_graphs)
+                           and self.backend.supports_cuda_graphs and not aux_layers)
         # Most context tokens one step can read: every slot at full length, rounded to blocks.
         self.max_context_tokens = max_seqs * -(-max_model_len // self.block_size) * self.block_size
         blocks = self._pool_size()
@@ -284,10 +291,14 @@ class ModelRunner:
         if key is None:
             sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks, drafts)
             reqs, offsets = draft_rows(sampling) if drafts else ([c.request for c in sampling], None)
+            if self.model.aux_layers:
+                order = order_chunks(chunks)[0]
+                self.aux_rows = dict(zip(map(id, order), itertools.accumulate((c.num_tokens for c in order),
+                                                                               initial=0)))
             t1 = time.perf_counter()
             if pooling:  # the modules themselves: the compiled decoder returns logits only
                 self.backend.plan(meta)
-                hidden = self.model.hidden_states(input_ids, positions, self.kv_caches, meta)
+                hidden = self.model.keep_aux(self.model.hidden_states(input_ids, positions, self.kv_caches, meta))
                 accumulate(order_chunks(chunks)[0], hidden, self.model.norm)
                 logits = self.model.logits(hidden, logits_idx)
             else:

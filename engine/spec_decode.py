@@ -92,7 +92,7 @@ class _DraftState:
     """Per request: its tokens as an array (grown as it generates) and its back-off."""
 
     __slots__ = ("tokens", "filled", "eligible", "misses", "cooldown", "drafts", "draft_valid", "draft_preemptions",
-                 "accepted", "rejections")
+                 "accepted", "rejections", "head_hidden", "head_at")
 
     def __init__(self, req: Request, model_drafts: bool) -> None:
         # A draft model's tokens are written after scheduling, too late to check them against a grammar.
@@ -106,6 +106,16 @@ class _DraftState:
         self.rejections = 0
         self.draft_valid = 0  # a draft model's KV holds this many of its tokens (engine.spec_draft)
         self.draft_preemptions = 0
+        self.head_hidden = None  # an EAGLE-3 head's output at position head_at (engine.spec_eagle)
+        self.head_at = (-1, -1)  # (position, preemptions) it is for
+
+    def head_ready(self, req: Request, hidden) -> None:
+        """An EAGLE-3 head has read the request up to its last token; ``hidden``: its output there."""
+        self.head_hidden = hidden
+        self.head_at = (req.num_tokens - 1, req.timing.num_preemptions)
+
+    def head_has_draft(self, req: Request) -> bool:
+        return self.head_at == (req.num_computed_tokens, req.timing.num_preemptions)
 
     def array(self, token_ids: list[int]) -> np.ndarray:
         n = len(token_ids)
@@ -119,6 +129,14 @@ class _DraftState:
         return self.tokens[:n]
 
 
+def draft_state(req: Request, model_drafts: bool) -> _DraftState:
+    """The request's drafting state, made when first asked for (``model_drafts``: drafts come from a
+    model, after scheduling, so a grammar request does not draft)."""
+    if req.spec is None:
+        req.spec = _DraftState(req, model_drafts)
+    return req.spec
+
+
 class Speculator:
     """What the scheduler asks each step: which decodes verify a draft, and with which KV slots."""
 
@@ -127,7 +145,9 @@ class Speculator:
         self.blocks = blocks
         self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                          if config.method == "ngram" else None)
-        """None: a draft model proposes, after scheduling (engine.spec_draft)."""
+        """None: a draft model or an EAGLE-3 head proposes, after scheduling (engine.spec_draft, spec_eagle)."""
+        self.needs_head = config.method == "eagle3"
+        """A request drafts once the head has read it up to its last token (after its prefill, a preemption)."""
         self.costs = StepCosts() if config.cost_model else None
         """Step times, which the engine and the draft model feed (engine.spec_cost); None: no cost model."""
         self._price: tuple[int, float] | None = None  # (running, the acceptance a position needs) this step
@@ -162,11 +182,10 @@ class Speculator:
 
     def _room(self, req: Request, budget: int) -> int:
         """Most draft tokens worth verifying: all but the one the target adds must fit its limits."""
-        state = req.spec
-        if state is None:
-            state = req.spec = _DraftState(req, self.proposer is None)
+        state = draft_state(req, self.proposer is None)
         if (not state.eligible or req.num_output_tokens < max(1, req.params.min_tokens)
-                or req.num_tokens - req.num_computed_tokens != 1):  # only a decode: its last token alone
+                or req.num_tokens - req.num_computed_tokens != 1  # only a decode: its last token alone
+                or (self.needs_head and not state.head_has_draft(req))):
             return 0
         if state.cooldown > 0:
             state.cooldown -= 1

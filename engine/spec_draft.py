@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _DraftPass(ScheduledChunk):
-    """One request's tokens in a draft pass: explicit tokens (drafts are not the request's yet)."""
+class DraftPass(ScheduledChunk):
+    """One request's tokens in a drafter's pass: explicit tokens (drafts are not the request's yet),
+    a row of output at the last, and no prompt logprobs."""
 
     tokens: list[int] = field(default_factory=list)
 
@@ -46,6 +47,10 @@ class _DraftPass(ScheduledChunk):
     @property
     def token_ids(self) -> list[int]:
         return self.tokens
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        return range(0)
 
 
 def kv_width(arch: ModelArch) -> int:
@@ -74,6 +79,9 @@ def load_draft_arch(config: EngineConfig, target: ModelArch) -> tuple[Path, Mode
 class DraftModel:
     """The draft model's runner and its proposals (``propose``), owned by the engine."""
 
+    follows_target = False
+    """Its KV is caught up lazily, in ``propose`` (an EAGLE-3 head's follows every step: engine.spec_eagle)."""
+
     def __init__(self, config: EngineConfig, path: Path, arch: ModelArch, max_model_len: int,
                  num_blocks: int, dtype: torch.dtype) -> None:
         from engine.runner import ModelRunner
@@ -91,6 +99,10 @@ class DraftModel:
         logger.info("draft model %s: %d layers, %d KV blocks beside the target's", path.name, arch.num_layers,
                     num_blocks)
 
+    @property
+    def kv_tensors(self) -> list[torch.Tensor]:
+        return [t for kv in self.runner.kv_caches for t in kv]
+
     def propose(self, chunks: list, costs: StepCosts | None = None) -> None:
         """Fill each verifying chunk's ``draft_token_ids`` (placeholders, as many as it reserved)
         with the draft model's greedy tokens after the request's last token; each pass's time goes
@@ -101,7 +113,7 @@ class DraftModel:
             if state.draft_preemptions != req.timing.num_preemptions:  # its blocks were freed: nothing holds
                 state.draft_preemptions, state.draft_valid = req.timing.num_preemptions, 0
             done = min(state.draft_valid, c.start)
-            passes.append(_DraftPass(req, done, c.start + 1 - done, 0, req.token_ids[done:c.start + 1]))
+            passes.append(DraftPass(req, done, c.start + 1 - done, 0, req.token_ids[done:c.start + 1]))
         live = list(zip(chunks, passes))
         if costs is not None:
             costs.observe_rows(len(live))
@@ -114,7 +126,7 @@ class DraftModel:
             for c, p in live:
                 c.draft_token_ids[j] = tok = token_of[id(p)]
                 if j + 1 < len(c.draft_token_ids):
-                    following.append((c, _DraftPass(c.request, c.start + 1 + j, 1, 0, [tok])))
+                    following.append((c, DraftPass(c.request, c.start + 1 + j, 1, 0, [tok])))
                 else:  # its last draft token's KV is never needed: the target verifies it
                     c.request.spec.draft_valid = c.start + len(c.draft_token_ids)
             live = following

@@ -291,5 +291,17 @@ def test_app_config_engine_section_takes_speculative_config():
 
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     assert AppConfig(engine={"speculative_config": spec}).engine == {"speculative_config": spec}
-    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram' or 'draft_model', got 'eagle3'"):
-        AppConfig(engine={"speculative_config": {**spec, "method": "eagle3"}})
+    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram', 'draft_model' or 'eagle3', got 'medusa'"):
+        AppConfig(engine={"speculative_config": {**spec, "method": "medusa"}})
+
+
+def test_compiled_code_stays_out_of_a_shared_model_cache(monkeypatch, tmp_path):
+    from engine.config import cache_dir
+
+    monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path / "shared"))
+    monkeypatch.delenv("SLOTSERVE_CODE_CACHE", raising=False)
+    assert cache_dir("inductor") == tmp_path / "shared" / "inductor"  # one machine: one place
+    monkeypatch.setenv("SLOTSERVE_CODE_CACHE", str(tmp_path / "pod"))
+    assert cache_dir("kernels") == tmp_path / "pod" / "kernels"
+    assert cache_dir("inductor") == tmp_path / "pod" / "inductor"
+    assert cache_dir("models") == tmp_path / "shared" / "models"

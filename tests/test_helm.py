@@ -200,6 +200,10 @@ def test_gpu_groups_and_head(name, rendered):
         cache = [m["mountPath"] for m in spec["containers"][0]["volumeMounts"] if m["name"] == "model-cache"]
         env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
         assert env["SLOTSERVE_CACHE"].startswith(cache[0] + "/")
+        # Compiled code lives on a volume of the pod's own, whatever the model cache is.
+        code = [m["mountPath"] for m in spec["containers"][0]["volumeMounts"] if m["name"] == "code-cache"]
+        assert env["SLOTSERVE_CODE_CACHE"] == code[0] and not code[0].startswith(cache[0] + "/")
+        assert "emptyDir" in next(v for v in spec["volumes"] if v["name"] == "code-cache")
 
 
 @pytest.mark.parametrize("name", CI_NAMES)

@@ -133,8 +133,8 @@ def test_ngram_proposer_respects_min_n_and_finds_nothing_without_a_match():
 
 def test_config_names_the_field_and_what_is_allowed():
     assert EngineConfig.from_options("m").speculative_config is None  # off by default
-    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram' or 'draft_model', got 'eagle3'"):
-        EngineConfig.from_options("m", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config.method must be 'ngram', 'draft_model' or 'eagle3', got 'medusa'"):
+        EngineConfig.from_options("m", speculative_config={"method": "medusa", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in \\[1, 16\\]"):
         EngineConfig.from_options("m", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="prompt_lookup_max must be >= prompt_lookup_min"):

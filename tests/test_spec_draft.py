@@ -130,7 +130,7 @@ def test_a_draft_that_cannot_serve_the_target_is_refused_by_name(copy_model, tmp
     outs, _ = _run(path, _prompts(4, (9,)), SamplingParams(temperature=0, max_tokens=8),
                    max_model_len=256, speculative_config=_draft(shorter))
     assert len(outs[0].outputs[0].token_ids) == 8
-    with pytest.raises(ValueError, match="model \\(the draft model\\) is required with method 'draft_model'"):
+    with pytest.raises(ValueError, match="model \\(the draft model, or the EAGLE-3 head\\) is required with methods 'draft_model'"):
         LLM(str(path), **BASE, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
 
 

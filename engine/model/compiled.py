@@ -220,7 +220,7 @@ class CompiledDecoder:
             torch.ops.slotserve_cpu.bind_attention_step(backend.decode_step_index(meta), backend.scale)
         with step_context(backend, meta, self.packed_layers, self.lora_layers):
             hidden = self._hidden(input_ids, positions, kv_caches, None)
-        return self.model.logits(hidden, logits_indices)
+        return self.model.logits(self.model.keep_aux(hidden), logits_indices)
 
     def warm_up(self, steps: list, run_step: Callable[[list], None]) -> float:
         """Run ``steps`` (engine.warm_up.WarmUpStep) with ``run_step(chunks)``: the first one-token and

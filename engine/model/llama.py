@@ -87,6 +87,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    aux_layers: tuple[int, ...] = ()
+    """Layers whose input (the residual stream) ``hidden_states`` also returns, side by side: what an
+    EAGLE-3 head reads (engine.spec_eagle). Set before the model is compiled; never changed after."""
+    aux_out: torch.Tensor | None = None
+    """The last forward's ``aux_layers`` streams ``[tokens, 3 x hidden]`` (None without aux layers)."""
+
     def __init__(self, arch: ModelArch, group: ParallelGroup, backend: AttentionBackend, max_positions: int):
         super().__init__()
         check_tp_shapes(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, arch.vocab_size, group.world_size)
@@ -104,16 +110,28 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[len(logits_indices), vocab]`` for the selected token rows only (on rank 0;
         other tensor-parallel ranks compute their vocabulary slice and get None)."""
-        return self.logits(self.hidden_states(input_ids, positions, kv_caches, meta), logits_indices)
+        return self.logits(self.keep_aux(self.hidden_states(input_ids, positions, kv_caches, meta)), logits_indices)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                      meta: AttentionMetadata | None) -> torch.Tensor:
-        """The last layer's output for every token. ``meta`` None: attention goes through
-        ``slotserve::attention`` (engine.model.compiled), which reads the step context."""
+                      meta: AttentionMetadata | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output for every token (and with ``aux_layers``, their streams too).
+        ``meta`` None: attention goes through ``slotserve::attention`` (engine.model.compiled), which
+        reads the step context."""
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        streams = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i in self.aux_layers:
+                streams[i] = x
             x = layer(x, positions, kv_cache, meta)
-        return x
+        if not self.aux_layers:
+            return x
+        return x, torch.cat([streams[i] for i in self.aux_layers], dim=-1)
+
+    def keep_aux(self, out) -> torch.Tensor:
+        """``hidden_states``' last-layer output; its aux streams, if any, go to ``aux_out``."""
+        if isinstance(out, tuple):
+            out, self.aux_out = out
+        return out
 
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(self.norm(hidden.index_select(0, logits_indices)))

@@ -129,6 +129,9 @@ exec:
           env:
             - name: SLOTSERVE_CACHE
               value: {{ printf "%s/models" $v.modelCache.mountPath | quote }}
+            # Compiled kernels and graphs are code this pod runs: never from a volume other pods write.
+            - name: SLOTSERVE_CODE_CACHE
+              value: {{ $v.codeCache.mountPath | quote }}
             {{- include "slotserve.serveEnv" $root | nindent 12 }}
             {{- include "slotserve.nodeEnv" $root | nindent 12 }}
             {{- with $v.extraEnv }}
@@ -150,6 +153,8 @@ exec:
               mountPath: /dev/shm
             - name: model-cache
               mountPath: {{ $v.modelCache.mountPath }}
+            - name: code-cache
+              mountPath: {{ $v.codeCache.mountPath }}
             {{- if $v.modelStore.enabled }}
             - name: model-store
               mountPath: {{ $v.modelStore.mountPath }}
@@ -185,6 +190,9 @@ exec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $g.shmSize }}
+        - name: code-cache
+          emptyDir:
+            sizeLimit: {{ $v.codeCache.sizeLimit }}
         - name: model-cache
           {{- if eq $v.modelCache.type "pvc" }}
           persistentVolumeClaim:
