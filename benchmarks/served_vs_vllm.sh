@@ -12,6 +12,9 @@
 #
 # SLOTSERVE_CONFIG: the Serve config `slotserve serve` runs (default its own, configs/local-cpu.yaml);
 # e.g. a copy with `kv_cache_dtype: int8` under `engine:`, against `--kv-cache-dtype fp8` for vLLM.
+# SLOTSERVE_ARGS: more `slotserve serve` options, e.g. --speculative-config '{"method": "ngram", ...}'.
+# DATASET_ARGS: the requests (default: random, 256 tokens in, 128 out); e.g. the copy-heavy prompts of
+# benchmarks.copy_dataset: --dataset-name custom --dataset-path copy.jsonl --custom-output-len 128.
 #
 # VLLM_VENV: a venv with vLLM's CPU build (benchmarks/peers/setup-vllm-cpu.sh makes one). MODEL_DIR:
 # default the converted default model. Each server starts at its defaults (plus the extra args
@@ -26,6 +29,7 @@ THREADS=${THREADS:-$(nproc)}
 SYSTEMS=${SYSTEMS:-vllm slotserve}  # one of them alone: SYSTEMS=slotserve; llama.cpp: SYSTEMS=llamacpp
 LLAMACPP_DIR=${LLAMACPP_DIR:-/tmp/peer/llamacpp}
 GGUF_FILE=${GGUF_FILE:-$(python -c "from engine.models_hub import resolve_gguf; print(resolve_gguf('smollm2-135m', None, None))")}
+DATASET_ARGS=${DATASET_ARGS:---dataset-name random --random-input-len 256 --random-output-len 128}
 mkdir -p "$OUT"
 
 wait_ready() {  # base url, served model name, seconds, server pid
@@ -42,7 +46,7 @@ wait_ready() {  # base url, served model name, seconds, server pid
 
 bench() {  # name, base url, served model name
   "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "$2" --model "$3" --tokenizer "$MODEL_DIR" \
-    --dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts "$PROMPTS" \
+    $DATASET_ARGS --num-prompts "$PROMPTS" \
     --max-concurrency "$CONCURRENCY" --ignore-eos --save-result --result-dir "$OUT" --result-filename "$1.json" \
     2>&1 | tee "$OUT/$1-bench.log"
 }
@@ -62,7 +66,7 @@ stop $pid
 
 run_slotserve() {
 start=$(date +%s)
-slotserve serve ${SLOTSERVE_CONFIG:+--config "$SLOTSERVE_CONFIG"} >"$OUT/slotserve.log" 2>&1 &
+eval "exec slotserve serve ${SLOTSERVE_CONFIG:+--config \"$SLOTSERVE_CONFIG\"} ${SLOTSERVE_ARGS:-}" >"$OUT/slotserve.log" 2>&1 &
 pid=$!
 wait_ready http://127.0.0.1:8000 smollm2-135m 900 $pid
 echo "slotserve serve gave its first token $(( $(date +%s) - start )) s after its start" | tee "$OUT/slotserve-ready.txt"

@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default=None, choices=["gguf", "int8"],
+                    help="the target's weights (what `slotserve serve` runs is gguf)")
     ap.add_argument("--always", action="store_true", help="cost_model off: draft all k whenever a draft is found")
     ap.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head for the model (default: a random one)")
     ap.add_argument("--out", default="bench-out/speculative.json")
@@ -120,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
 
     levels = [int(v) for v in args.levels.split(",")]
     report = {"environment": {"host_cpu": host_cpu()}, "model": args.model, "k": args.k, "dtype": args.dtype,
+              "quantization": args.quantization,
               "eagle3_head": head,
               "max_tokens": args.max_tokens, "cost_model": not args.always, "results": {}}
     for method, spec in _methods(args.methods.split(","), args.model, args.k, not args.always, head).items():
-        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), speculative_config=spec)
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(levels),
+                  speculative_config=spec)
         cells = report["results"][method] = {}
         for workload, prompts in WORKLOADS.items():
             chat = _chat(llm, prompts)

@@ -323,3 +323,24 @@ def test_logprobs_lora_and_grammars_keep_their_meaning(copy_model, heads, tmp_pa
     assert [o.outputs[0].token_ids for o in outs["plain"][0]] != [o.outputs[0].token_ids for o in outs["plain"][1]]
     assert sum(o.timing.num_accepted_tokens for o in adapted) > 0
     assert constrained[0].timing.num_drafts == 0
+
+
+def test_the_benchmark_heads_and_copy_prompts_are_what_they_say(tmp_path):
+    """benchmarks.eagle3_head writes a head of the target's shapes that the engine loads and drafts
+    with; benchmarks.copy_dataset writes each paragraph the model wrote under every copy task."""
+    from benchmarks import copy_dataset
+    from benchmarks.eagle3_head import write_random_head
+    from tests.factories import make_model_dir
+
+    target = make_model_dir(tmp_path / "target", "llama", seed=0, vocab_size=VOCAB, layers=4)
+    head = write_random_head(str(target), tmp_path / "head", draft_vocab=100)
+    outs, engine = _run(target, _prompts(9, (12,)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        speculative_config=_eagle(head, 2))
+    assert engine.drafter.head.ea.draft_vocab_size == 100 and engine.stats().spec_decode_num_draft_tokens > 0
+    copy_dataset.main([str(tmp_path / "copy.jsonl"), "--model", str(target), "--paragraph-tokens", "6"])
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "copy.jsonl").read_text().splitlines()]
+    assert len(prompts) == len(copy_dataset.TOPICS) * len(copy_dataset.TASKS)
+    for i in range(len(copy_dataset.TOPICS)):  # a paragraph under each task
+        mine = prompts[i * len(copy_dataset.TASKS):(i + 1) * len(copy_dataset.TASKS)]
+        assert len({p.split("\n\n", 1)[1] for p in mine}) == 1
+        assert {p.split("\n\n", 1)[0] for p in mine} == {t.split("\n\n")[0] for t in copy_dataset.TASKS}
