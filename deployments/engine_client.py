@@ -12,21 +12,16 @@ import itertools
 import time
 from typing import AsyncIterator, Protocol, Sequence
 
+from deployments.contract import EngineMessage
 from router.policy import ROUTING_NOTE
 
 
-def ends_request(message: dict) -> bool:
-    """Whether an engine message (``replica.stream_message``) is its request's last: its choice
-    finished and no other one still runs."""
-    return message.get("finish_reason") is not None and not message.get("choices_running")
-
-
 class EngineStream(Protocol):
-    """One request's engine messages (``replica.stream_message`` dicts), the last one ``ends_request``."""
+    """One request's ``EngineMessage``s, the last one ``ends_request``."""
 
-    def __aiter__(self) -> AsyncIterator[dict]: ...
+    def __aiter__(self) -> AsyncIterator[EngineMessage]: ...
 
-    async def __anext__(self) -> dict: ...
+    async def __anext__(self) -> EngineMessage: ...
 
     def abort(self, index: int | None = None) -> None:
         """Ask the engine to stop this request; the stream then ends (or raises) soon after.
@@ -61,7 +56,7 @@ class _LocalStream:
     def __aiter__(self) -> "_LocalStream":
         return self
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> EngineMessage:
         return await self._gen.__anext__()
 
     def abort(self, index: int | None = None) -> None:

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from deployments.adapters import Adapters
 from deployments.admission import Admission, ApiKeys, summarize_load
-from deployments.engine_client import EngineClient, EngineStream, ends_request
+from deployments.engine_client import EngineClient, EngineStream
 from deployments.errors import (BadRequest, DeadlineExceeded, Overloaded, Unauthenticated,
                                 Unavailable, retry_kind, to_serving_error)
 from deployments.metrics import IngressMetrics, recorder_for
@@ -285,19 +285,19 @@ class Frontend:
                         return
                     await self._retry_or_raise(req, inflight, choices, retries, exc)
                     continue
-                engine_done = ends_request(message)
+                engine_done = message.ends_request
                 ticket.started()  # its first tokens (or its end): no longer waiting
-                choice = choices[message.get("index", 0)]
+                choice = choices[message.index]
                 if choice.finished:  # ended by a stop string; the engine runs it until the others end
                     continue
                 # A 32k-token prompt's logprobs with 20 alternatives each are ~700k decodes: off the loop.
-                heavy = len(message.get("prompt_logprobs") or ()) * (1 + (req.params.prompt_logprobs or 0))
+                heavy = len(message.prompt_logprobs or ()) * (1 + (req.params.prompt_logprobs or 0))
                 delta = await asyncio.to_thread(choice.push, message) if heavy >= OFFLOAD_DECODES else choice.push(message)
                 ticket.observe(message, delta.text)
                 if all(c.finished for c in choices):
                     yield last_delta(delta, choices, prompt_len)
                     continue
-                if choice.finished and message.get("finish_reason") is None:  # a stop string: free its slot
+                if choice.finished and message.finish_reason is None:  # a stop string: free its slot
                     inflight.stream.abort(choice.index)
                 yield delta
         finally:

@@ -36,7 +36,7 @@ from typing import AsyncIterator, Protocol
 
 import msgspec
 
-from deployments.engine_client import ends_request
+from deployments.contract import EngineMessage
 from deployments.link_wire import (LINK_TOKEN_ENV, LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls,
                                    ReloadingTls, SubmitIn,
                                    check_token, frame, keepalive, link_keys, mac, new_token, outputs, proven_key,
@@ -67,17 +67,10 @@ async def settle(task: asyncio.Task) -> None:
         logger.exception("engine link task failed")
 
 
-def aborted_message(request: dict) -> dict:
-    """The last message of a request aborted before the engine saw it (``replica.stream_message``'s form)."""
-    return {"token_ids": [], "finish_reason": "abort", "logprobs": None,
-            "num_prompt_tokens": len(request.get("prompt_token_ids", ())), "num_output_tokens": 0,
-            "num_cached_tokens": 0}
-
-
 class Replica(Protocol):
     """What the link needs of ``replica.EngineReplica``."""
 
-    def generate(self, request: dict) -> AsyncIterator[dict]: ...
+    def generate(self, request: dict) -> AsyncIterator[EngineMessage]: ...
 
     def abort(self, request_id: str, index: int | None = None) -> bool: ...
 
@@ -87,7 +80,7 @@ class Connection:
 
     def __init__(self, ingress_id: str) -> None:
         self.ingress_id = ingress_id
-        self.items: list[tuple] = []  # (wire id, message or None, exception or None)
+        self.items: list[tuple] = []  # (wire id, EngineMessage or None, exception or None)
         self.ready = asyncio.Event()
         self.pumps: dict[str, asyncio.Task] = {}
         self.unstarted: dict[str, dict] = {}  # submitted in this read, not handed to the engine yet
@@ -225,7 +218,8 @@ class LinkServer:
         key = next((k for k, r in connection.unstarted.items() if r["request_id"] == abort.request_id), None)
         if key is not None and abort.index is None:  # its submit came in the same read: it never runs
             connection.pumps.pop(key).cancel()
-            connection.push((key, aborted_message(connection.unstarted.pop(key)), None))
+            request = connection.unstarted.pop(key)
+            connection.push((key, EngineMessage.aborted(len(request["prompt_token_ids"])), None))
             return True
         return self._replica.abort(abort.request_id, abort.index)
 
@@ -259,7 +253,7 @@ class LinkServer:
                     return
                 writer.write(outputs(batch))
                 for key, message, exc in batch:
-                    if exc is not None or ends_request(message):
+                    if exc is not None or message.ends_request:
                         t0 = connection.started.pop(key, None)
                         if t0 is not None:
                             log_access(key, "OK" if exc is None else "ERROR", t0)

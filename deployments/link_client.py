@@ -20,9 +20,8 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 
-from deployments.engine_client import ends_request
+from deployments.contract import EngineMessage, coalesce
 from deployments.errors import Unavailable
-from deployments.link import aborted_message
 from deployments.link_wire import (LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, ReloadingTls,
                                    Submit, frame, keepalive, link_keys, mac, proven_key, read_outputs, wire_id)
 
@@ -33,18 +32,6 @@ AVOID_S = 30.0
 still lists a dead replica for a while, and the requests it lost resume at once."""
 
 Chooser = Callable[[dict, frozenset], "tuple[str, str] | None"]
-
-
-def merge_messages(first: dict, later: dict) -> dict:
-    """Two consecutive engine messages of one request as one: tokens (and logprobs) joined,
-    everything else (counts, finish reason) as of the later one."""
-    merged = {**later, "token_ids": list(first["token_ids"]) + list(later["token_ids"])}
-    for key in ("prompt_logprobs", "queue_time_s"):  # on a choice's first message only
-        if first.get(key) is not None:
-            merged[key] = first[key]
-    if first.get("logprobs") is not None or later.get("logprobs") is not None:
-        merged["logprobs"] = list(first.get("logprobs") or ()) + list(later.get("logprobs") or ())
-    return merged
 
 
 class LinkStream:
@@ -61,12 +48,12 @@ class LinkStream:
         self.done = False
         self.abort_wanted = False
         self._pending_error: BaseException | None = None
-        self._held: list[dict] = []  # caught up with, handed out one per call
+        self._held: list[EngineMessage] = []  # caught up with, handed out one per call
 
     def __aiter__(self) -> "LinkStream":
         return self
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> EngineMessage:
         if self.done:
             raise StopAsyncIteration
         if not self.started:
@@ -80,25 +67,24 @@ class LinkStream:
             message, error = await self.queue.get()
             if error is None and not self.queue.empty():
                 message = self._catch_up(message)
-        if error is not None or ends_request(message):
+        if error is not None or message.ends_request:
             self.done = True
             self._client.forget(self)
         if error is not None:
             raise error
         return message
 
-    def _catch_up(self, message: dict) -> dict:
+    def _catch_up(self, message: EngineMessage) -> EngineMessage:
         """Behind: everything queued as one message per choice (one hop less per step missed), the
         one that ends the request last; an error that came is raised after them."""
-        by_choice = {message.get("index", 0): message}
+        messages = [message]
         while not self.queue.empty():
             later, error = self.queue.get_nowait()
             if error is not None:
                 self._pending_error = error
                 break
-            i = later.get("index", 0)
-            by_choice[i] = merge_messages(by_choice[i], later) if i in by_choice else later
-        first, *self._held = sorted(by_choice.values(), key=ends_request)
+            messages.append(later)
+        first, *self._held = coalesce(messages)
         return first
 
     def abort(self, index: int | None = None) -> None:
@@ -173,7 +159,7 @@ class LinkEngineClient:
             link = await self._link_for(stream.request)
             stream.replica_id = link.replica_id  # from here on, the link's failure reaches the stream
             if stream.abort_wanted:  # aborted or closed while submitting: it ends as an abort, never sent
-                stream.queue.put_nowait((aborted_message(stream.request), None))
+                stream.queue.put_nowait((EngineMessage.aborted(len(stream.request["prompt_token_ids"])), None))
                 return
             link.send(Submit(stream.request))
         except Exception as exc:  # noqa: BLE001 - refused, no replica, unreachable: the stream raises it

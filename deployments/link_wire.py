@@ -25,6 +25,7 @@ from typing import Any, Union
 
 import msgspec
 
+from deployments.contract import EngineMessage
 from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
                                 Unauthenticated, Unavailable)
 from engine.errors import (AdapterLoadError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
@@ -145,24 +146,6 @@ class Found(msgspec.Struct, tag="found"):
     found: bool
 
 
-class StreamMessage(msgspec.Struct):
-    """``replica.stream_message``: one engine step's tokens of one request (sent as that dict)."""
-
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    audit: list[dict[str, Any]] | None = None
-    index: int = 0
-    choices_running: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    embedding: list[float] | None = None
-    queue_time_s: float | None = None
-    """On the request's first message: engine arrival to first scheduled (per-tenant queue time)."""
-
-
 class WireError(msgspec.Struct, array_like=True):
     """An error by its class's name (one of ``ERRORS``) and message."""
 
@@ -172,11 +155,10 @@ class WireError(msgspec.Struct, array_like=True):
 
 
 class Output(msgspec.Struct, array_like=True):
-    """Sent as a ``(wire_id, message dict, WireError)`` tuple: building structs per output would
-    cost more than the whole encoding."""
+    """Sent as a ``(wire_id, EngineMessage, WireError)`` tuple: the same array on the wire."""
 
     wire_id: str
-    message: StreamMessage | None = None
+    message: EngineMessage | None = None
     error: WireError | None = None
 
 
@@ -205,14 +187,8 @@ def rebuild_error(error: WireError) -> Exception:
 
 
 def as_item(output: Output) -> tuple:
-    """``(wire_id, message dict or None, exception or None)``: one item of a batch."""
-    message = None
-    if output.message is not None:
-        message = msgspec.structs.asdict(output.message)
-        for key in ("audit", "prompt_logprobs", "embedding", "queue_time_s"):
-            if message[key] is None:
-                del message[key]
-    return output.wire_id, message, None if output.error is None else rebuild_error(output.error)
+    """``(wire_id, EngineMessage or None, exception or None)``: one item of a batch."""
+    return output.wire_id, output.message, None if output.error is None else rebuild_error(output.error)
 
 
 @dataclass(frozen=True)
@@ -344,7 +320,7 @@ async def read_outputs(reader: asyncio.StreamReader) -> list[tuple] | Found:
 
 
 def outputs(batch: list[tuple]) -> bytes:
-    """Items ``(wire id, message dict or None, exception or None)`` as frames of at most ``FRAME_ITEMS``
+    """Items ``(wire id, EngineMessage or None, exception or None)`` as frames of at most ``FRAME_ITEMS``
     outputs."""
     wire = [(key, message, None if exc is None else wire_error(exc)) for key, message, exc in batch]
     return b"".join(frame(wire[i:i + FRAME_ITEMS]) for i in range(0, len(wire), FRAME_ITEMS))

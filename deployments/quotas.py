@@ -27,8 +27,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
+from deployments.contract import EngineMessage
 from deployments.errors import TenantLimitExceeded
 from deployments.metrics import NullRecorder, Recorder
 
@@ -60,12 +61,12 @@ class Ticket:
         self._queued = quotas is None  # True once its queue time is recorded
         self._waiting = quotas is not None  # counted in its tenant's waiting until started
 
-    def observe(self, message: Mapping, text: str, now: float | None = None) -> None:
-        """An engine message (``replica.stream_message``) and the text it gave the client: the
+    def observe(self, message: EngineMessage, text: str, now: float | None = None) -> None:
+        """An engine message and the text it gave the client: the
         engine's queue time from the first message carrying it, the time to the first text."""
-        if not self._queued and message.get("queue_time_s") is not None:
+        if not self._queued and message.queue_time_s is not None:
             self._queued = True  # a resumed request's next replica sends its own: the first one counts
-            self._recorder.record("tenant_queue_time_seconds", message["queue_time_s"], {"tenant": self._tenant})
+            self._recorder.record("tenant_queue_time_seconds", message.queue_time_s, {"tenant": self._tenant})
         if self._arrival is not None and text:
             now = time.monotonic() if now is None else now
             self._recorder.record("tenant_time_to_first_token_seconds", max(now - self._arrival, 0.0),

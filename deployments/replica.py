@@ -3,8 +3,8 @@
 The class is plain Python (Serve wraps it in ``app.build_app``), so it is tested
 in-process with a fake engine (tests/fake_engine.py). Requests arrive on its engine link
 (``deployments.link``), which streams each through ``generate(request)``: an async generator,
-one small dict per engine message (the engine coalesces: all tokens since the previous
-message), never one per token; cancelling or closing it aborts the engine request. What Serve
+one ``EngineMessage`` per engine output (``deployments.contract``: all of a step's tokens of one
+choice); cancelling or closing it aborts the engine request. What Serve
 calls on it:
 
 - ``link_address(request)``: which replica takes a request, for an ingress whose router has
@@ -32,13 +32,14 @@ import sys
 import time
 from typing import Any, AsyncIterator
 
+from deployments.contract import EngineMessage
 from deployments.link import LinkServer, LinkTls
 from deployments.metrics import EngineMetrics, Recorder, recorder_for
 from deployments.nvml import GpuMonitor
 from deployments.tracing import Tracing
 from engine.errors import EngineDeadError, UnknownAdapterError
 from engine.kv.hashing import PREFIX_DIGEST_ENTRIES
-from engine.outputs import StreamOutput, audit_records
+from engine.outputs import StreamOutput
 from engine.pooling import pooling_of
 
 logger = logging.getLogger(__name__)
@@ -48,25 +49,6 @@ serve_log = logging.getLogger("ray.serve")
 ABORT_GRACE_S = 2.0  # after the drain timeout: time for aborted streams to end before the engine stops
 METRICS_PERIOD_S = 1.0  # gauges from the stats snapshot; Ray exports every metrics_report_interval_ms
 _local_ids = itertools.count()
-
-
-def stream_message(out: StreamOutput, first: bool = False) -> dict:
-    """The wire form of one engine message: small, plain, token ids only; the last one also
-    carries the request's scheduling audit trail (``engine.outputs.audit_records``). ``first``: the
-    request's first message, which carries its queue time in the engine (the ingress counts it per tenant)."""
-    message = {"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
-               "logprobs": out.new_logprobs, "num_prompt_tokens": out.num_prompt_tokens,
-               "num_output_tokens": out.num_output_tokens, "num_cached_tokens": out.num_cached_tokens,
-               "index": out.index, "choices_running": out.choices_running}
-    if out.finished and out.timing is not None:
-        message["audit"] = audit_records(out.timing)
-    if first and out.timing is not None and out.timing.first_scheduled_time is not None:
-        message["queue_time_s"] = out.timing.first_scheduled_time - out.timing.arrival_time
-    if out.prompt_logprobs is not None:
-        message["prompt_logprobs"] = out.prompt_logprobs
-    if out.embedding is not None:
-        message["embedding"] = out.embedding
-    return message
 
 
 def show_engine_log() -> None:
@@ -139,7 +121,7 @@ class EngineReplica:
         """What this replica records; ``metrics.recorder`` (like ``tracing``) may be swapped at run time."""
         return self._metrics
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
+    async def generate(self, request: dict) -> AsyncIterator[EngineMessage]:
         """Stream one request (``PreparedRequest.engine_request()``) through the engine."""
         if not self._accepting:
             raise EngineDeadError("this replica is shutting down and takes no new requests")
@@ -175,7 +157,7 @@ class EngineReplica:
                     self._active.discard(rid)
                     request_metrics.on_end(dataclasses.replace(out, timing=lead_timing or out.timing))
                     self._trace(request, out, received_ns)
-                yield stream_message(out, first)
+                yield EngineMessage.of(out, first)
                 if finished:
                     break
         except (GeneratorExit, asyncio.CancelledError):

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+from deployments.contract import EngineMessage
 from engine.sampling import SamplingParams
 from engine.detokenizer import TextStream
 
@@ -86,29 +87,29 @@ class TextAssembler:
         self.num_cached_tokens = 0
         self.finished = False
 
-    def push(self, message: dict) -> TextDelta:
-        """One engine message (see ``replica.stream_message``) in, one text delta out."""
-        text, used = self._text.push(message["token_ids"])
-        ids = list(message["token_ids"][:used])
-        finish = message.get("finish_reason")
+    def push(self, message: EngineMessage) -> TextDelta:
+        """One engine message in, one text delta out."""
+        text, used = self._text.push(message.token_ids)
+        ids = list(message.token_ids[:used])
+        finish = message.finish_reason
         if finish and not self._text.stopped:
             text += self._text.finish()
         if self._text.stopped:
             finish = "stop"
         self.token_ids.extend(ids)
-        self.num_cached_tokens = message.get("num_cached_tokens", self.num_cached_tokens)
+        self.num_cached_tokens = message.num_cached_tokens
         logprobs = None
         if self._want_logprobs:
-            logprobs = tuple(self._logprob(t, lp) for t, lp in zip(ids, message.get("logprobs") or []))
+            logprobs = tuple(self._logprob(t, lp) for t, lp in zip(ids, message.logprobs or []))
         audit = None
         if finish:
             self.finished = True
-            audit = tuple(message.get("audit") or ())
-        scored = message.get("prompt_logprobs")
+            audit = tuple(message.audit or ())
+        scored = message.prompt_logprobs
         prompt = None if scored is None else self._prompt_logprobs(scored)
         return TextDelta(self._request_id, text, tuple(ids), logprobs, finish, None, self._client_request_id, audit,
                          self.index, prompt_logprobs=prompt, stop_string=self._text.stop_string if finish else None,
-                         embedding=message.get("embedding"))
+                         embedding=message.embedding)
 
     def abort(self) -> TextDelta:
         """The last delta of a choice that ended without the engine saying so."""

@@ -2,8 +2,8 @@
 
 The loop thread owns the LLMEngine; other threads talk to it through an inbox (adds and
 aborts, applied before the next step) and receive outputs through their event loop, one
-``call_soon_threadsafe`` per step and loop. A slow consumer never slows the loop: its
-stream coalesces everything that arrived since it last looked into one message.
+``call_soon_threadsafe`` per step and loop. A slow consumer never slows the loop: its stream
+holds every output that arrived since it last looked, handed over at once.
 
 Faults: when the loop dies or the engine is shut down, every open stream fails with
 EngineDeadError and new requests are refused at once (registration and closing share a
@@ -53,38 +53,16 @@ class _Stream:
         self.event.set()
 
     async def get(self) -> list[StreamOutput]:
-        """Everything since the last call: one output per choice that moved, in the engine's order."""
+        """Everything since the last call, in the engine's order (the output that ends the request
+        last). Not merged here: messages are joined where they queue for a reader
+        (``deployments.contract.coalesce``), once."""
         while not self.items:
             if self.error is not None:
                 raise self.error
             self.event.clear()
             await self.event.wait()
         items, self.items = self.items, []
-        if len(items) == 1:
-            return items
-        by_choice: dict[int, list[StreamOutput]] = {}
-        for item in items:
-            by_choice.setdefault(item.index, []).append(item)
-        merged = [_merge(group) for group in by_choice.values()]
-        # The output that ends the request (no choice left running) goes last.
-        merged.sort(key=lambda out: out.request_finished)
-        return merged
-
-
-def _merge(items: list[StreamOutput]) -> StreamOutput:
-    """One choice's consecutive outputs as one."""
-    if len(items) == 1:
-        return items[0]
-    last = items[-1]
-    ids = [t for it in items for t in it.new_token_ids]
-    lps = None
-    if any(it.new_logprobs is not None for it in items):
-        lps = [lp for it in items for lp in (it.new_logprobs or [])]
-    return StreamOutput(request_id=last.request_id, new_token_ids=ids, finished=last.finished,
-                        finish_reason=last.finish_reason, stop_token_id=last.stop_token_id, new_logprobs=lps,
-                        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
-                        num_cached_tokens=last.num_cached_tokens, timing=last.timing, index=last.index,
-                        choices_running=last.choices_running, prompt_logprobs=items[0].prompt_logprobs)
+        return items
 
 
 class AsyncEngine:

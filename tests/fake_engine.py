@@ -5,7 +5,7 @@ Same interface (``from_options``, ``generate``, ``abort``, ``stats``, ``prefix_d
 ``model_path``), no model: each step appends ``(last token * 31 + 7) % vocab_size`` to
 every running request, so outputs depend only on the prompt. It keeps the real
 engine's contract where the serving layer relies on it: bounded slots and waiting
-queue (``EngineOverloadedError``), coalesced messages (all tokens since the last one),
+queue (``EngineOverloadedError``), outputs of one or more tokens (all since the consumer last looked),
 abort frees the slot before the next step, ``check_health`` fails once the loop is dead.
 """
 

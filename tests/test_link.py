@@ -12,6 +12,7 @@ import pickle
 
 import pytest
 
+from deployments.contract import EngineMessage
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
 from deployments.link import Connection, LinkServer, check_token, new_token
@@ -70,7 +71,7 @@ async def _running(client, n: int) -> list:
 
 async def _tokens(stream) -> tuple[list[int], list[dict]]:
     messages = [m async for m in stream]
-    return [t for m in messages for t in m["token_ids"]], messages
+    return [t for m in messages for t in m.token_ids], messages
 
 
 async def _shutdown(reps) -> None:
@@ -85,7 +86,7 @@ def test_requests_over_links_get_the_same_tokens_as_in_process():
         want = [(await _tokens(plain.generate(_request(i))))[0] for i in range(8)]
         got = await asyncio.gather(*(_tokens(client.generate(_request(i))) for i in range(8)))
         assert [tokens for tokens, _ in got] == want
-        assert all(messages[-1]["finish_reason"] == "length" for _, messages in got)
+        assert all(messages[-1].finish_reason == "length" for _, messages in got)
         assert chooser.calls == 8  # every request routed by the chooser, none through "Serve"
         assert all(r.record_routing_stats()["num_finished"] >= 4 for r in reps)  # both replicas served
         await wait_idle(reps)
@@ -98,7 +99,7 @@ def test_before_the_router_knows_a_link_requests_go_through_serve_and_read_the_l
         reps, chooser, client = await _linked(1)
         chooser.ready = False
         tokens, messages = await _tokens(client.generate(_request(0)))
-        assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
+        assert len(tokens) == 12 and messages[-1].finish_reason == "length"
         assert chooser.calls == 0 and list(client._links) == [reps[0].replica_id]
         await _shutdown(reps)
     run(main())
@@ -108,7 +109,7 @@ def test_closing_a_stream_aborts_its_request_over_the_link():
     async def main():
         reps, _, client = await _linked(1)
         stream = client.generate(_request(0, max_tokens=LONG))
-        assert (await stream.__anext__())["token_ids"]
+        assert (await stream.__anext__()).token_ids
         await wait_load(reps[0], 1)
         await stream.aclose()
         await wait_idle(reps)
@@ -126,9 +127,9 @@ def test_one_choice_is_aborted_over_the_link_and_the_others_go_on():
         ended = {}
         while len(ended) < 1:
             m = await stream.__anext__()
-            if m["finish_reason"] is not None:
-                ended[m["index"]] = m["finish_reason"]
-        assert ended == {1: "abort"} and first["token_ids"]
+            if m.finish_reason is not None:
+                ended[m.index] = m.finish_reason
+        assert ended == {1: "abort"} and first.token_ids
         await wait_load(reps[0], 2)  # two choices still run
         await stream.aclose()
         await wait_idle(reps)
@@ -143,9 +144,9 @@ def test_an_abort_by_request_id_reaches_a_stream_another_ingress_holds():
         await asyncio.sleep(0)
         holder, other = (LinkEngineClient(LocalEngineClient(reps), token, RoundRobin(reps)) for _ in range(2))
         stream = holder.generate(_request(0, max_tokens=LONG))
-        assert (await stream.__anext__())["token_ids"]
+        assert (await stream.__anext__()).token_ids
         assert await other.abort("r0") is True  # asked over its own links to both replicas
-        assert [m async for m in stream][-1]["finish_reason"] == "abort"
+        assert [m async for m in stream][-1].finish_reason == "abort"
         assert await other.abort("r0") is False and await other.abort("no-such-request") is False
         assert len(other._links) == 2 and not other._replies
         await wait_idle(reps)
@@ -197,7 +198,7 @@ def test_a_replica_shutting_down_ends_its_link_after_draining():
         await stream.__anext__()
         stopping = asyncio.ensure_future(reps[0].shutdown())  # drain 1 s, then abort what still runs
         messages = [m async for m in stream]
-        assert messages[-1]["finish_reason"] == "abort"
+        assert messages[-1].finish_reason == "abort"
         await stopping
         with pytest.raises((Unavailable, EngineDeadError)):  # its link is closed, and Serve's way refuses
             await _tokens(client.generate(_request(1)))
@@ -265,7 +266,7 @@ def test_a_forwarder_cancelled_as_its_drain_finishes_ends():
         writer, connection = Writer(), Connection("ingress")
         writer.forwarder = asyncio.ensure_future(server.forward(connection, writer))
         await asyncio.sleep(0)  # waiting for outputs
-        connection.push(("r0", {"token_ids": [1], "finish_reason": None}, None))
+        connection.push(("r0", EngineMessage([1], None, None, 3, 1, 0, choices_running=1), None))
         done, _ = await asyncio.wait([writer.forwarder], timeout=5)
         assert done and writer.forwarder.cancelled(), "the forwarder went on after its cancellation"
         server._sock.close()
@@ -292,7 +293,7 @@ def test_a_token_rotation_keeps_every_pair_of_its_steps_linked(ingress_token, re
         chooser = lambda request, avoid: (rep.replica_id, rep.record_routing_stats()["link"])  # noqa: E731
         client = LinkEngineClient(LocalEngineClient([rep]), ingress_token, chooser)
         tokens, messages = await _tokens(client.generate(_request(0)))
-        assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
+        assert len(tokens) == 12 and messages[-1].finish_reason == "length"
         assert rep._link.requests == 1  # it came over the link, not Serve's way
         await _shutdown([rep])
     run(main())

@@ -12,6 +12,7 @@ import pytest
 
 import deployments.link as link
 import deployments.link_client as link_client
+from deployments.contract import EngineMessage
 from deployments.errors import Unavailable
 from deployments.link import Connection, LinkServer, new_token
 from deployments.link_client import LinkEngineClient
@@ -20,11 +21,9 @@ from tests.serving_helpers import run, wait_idle, wait_load
 from tests.test_link import LONG, _linked, _replicas, _request, _running, _shutdown, _tokens
 
 
-def _message(token_ids: list[int], finish_reason: str | None = None) -> dict:
-    """As ``replica.stream_message`` writes one (of a request with one choice)."""
-    return {"token_ids": token_ids, "finish_reason": finish_reason, "logprobs": None, "num_prompt_tokens": 3,
-            "num_output_tokens": len(token_ids), "num_cached_tokens": 0, "index": 0,
-            "choices_running": 0 if finish_reason else 1}
+def _message(token_ids: list[int], finish_reason: str | None = None) -> EngineMessage:
+    """As a replica sends one (of a request with one choice)."""
+    return EngineMessage(token_ids, finish_reason, None, 3, len(token_ids), 0, choices_running=0 if finish_reason else 1)
 
 
 async def _raw_ingress(rep, token: str, ingress_id: str = "raw"):
@@ -40,7 +39,7 @@ async def _raw_ingress(rep, token: str, ingress_id: str = "raw"):
 async def _until_final(reader, request_id: str, timeout_s: float = 5.0) -> tuple[list, list]:
     """Every item of ``request_id`` read from a raw link up to its last one; and the others seen."""
     mine, others = [], []
-    while not mine or (mine[-1][2] is None and mine[-1][1]["finish_reason"] is None):
+    while not mine or (mine[-1][2] is None and mine[-1][1].finish_reason is None):
         for item in await asyncio.wait_for(read_outputs(reader), timeout_s):
             (mine if item[0] == request_id else others).append(item)
     return mine, others
@@ -55,8 +54,8 @@ def test_an_abort_read_together_with_its_submit_ends_the_request_before_it_runs(
         request = {**_request(0, max_tokens=LONG), "ingress_id": "raw"}
         writer.write(frame(Submit(request)) + frame(Abort("r0")))  # one segment: one read
         mine, _ = await _until_final(reader, "r0")
-        assert [item[1]["finish_reason"] for item in mine] == ["abort"]
-        assert sum(len(item[1]["token_ids"]) for item in mine) == 0
+        assert [item[1].finish_reason for item in mine] == ["abort"]
+        assert sum(len(item[1].token_ids) for item in mine) == 0
         assert rep.engine.stats().running == 0 and rep.engine.stats().waiting == 0
         writer.close()
         await _shutdown([rep])
@@ -92,7 +91,7 @@ def test_a_link_lost_while_serve_names_its_replica_costs_that_stream_nothing():
                 pass
         held.release.set()
         tokens, messages = await asyncio.wait_for(second, 10)  # sent on a new link
-        assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
+        assert len(tokens) == 12 and messages[-1].finish_reason == "length"
         await wait_idle(reps)
         await _shutdown(reps)
     run(main())
@@ -111,7 +110,7 @@ def test_a_newer_link_of_the_same_ingress_ends_the_stale_one_and_its_requests():
         reader, writer = await _raw_ingress(rep, token, "ingress-a")
         writer.write(frame(Submit({**_request(1), "ingress_id": "ingress-a"})))
         mine, others = await _until_final(reader, "r1")
-        assert mine[-1][1]["finish_reason"] == "length"
+        assert mine[-1][1].finish_reason == "length"
         assert others == []  # the stale link's request is not adopted by the new one
         await wait_idle([rep])
         while await asyncio.wait_for(old_reader.read(65536), 5):  # the stale connection was closed

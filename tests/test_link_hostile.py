@@ -75,7 +75,7 @@ async def _still_serves(rep, token: str) -> None:
     chooser = lambda request, avoid: (rep.replica_id, rep.record_routing_stats()["link"])  # noqa: E731
     client = LinkEngineClient(LocalEngineClient([rep]), token, chooser)
     tokens, messages = await _tokens(client.generate(_request(1)))
-    assert len(tokens) == 12 and messages[-1]["finish_reason"] == "length"
+    assert len(tokens) == 12 and messages[-1].finish_reason == "length"
     stats = rep.engine.stats()
     assert stats.num_finished == 1 and stats.running == 0 and stats.waiting == 0
 
@@ -152,7 +152,7 @@ def test_a_submit_arrives_as_the_request_the_ingress_sent():
 
 def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
     from deployments.link_wire import Output, as_item, outputs
-    from deployments.replica import stream_message
+    from deployments.contract import EngineMessage
     from engine.outputs import RequestTiming, StreamOutput
 
     sent = {**_request(4), "ingress_id": "i", "resume_choices": {1: [5, 6], 2: []}}
@@ -163,8 +163,8 @@ def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
                        timing=RequestTiming(arrival_time=0.0, first_scheduled_time=0.25), index=2,
                        choices_running=1, prompt_logprobs=[None, {4: -2.0}, {5: -0.25, 1: -3.0}],
                        embedding=[0.5, -0.25])
-    message = stream_message(out, first=True)
-    assert message["queue_time_s"] == 0.25  # the engine's queue time, for the ingress's per-tenant histogram
+    message = EngineMessage.of(out, first=True)
+    assert message.queue_time_s == 0.25  # the engine's queue time, for the ingress's per-tenant histogram
     [item] = [as_item(o) for o in msgspec.msgpack.decode(outputs([("w", message, None)])[4:], type=list[Output])]
     assert item == ("w", message, None)
 
@@ -184,7 +184,7 @@ def test_the_link_reads_typed_frames_only():
 async def _finals(reader, keys: set[str]) -> dict[str, list]:
     """Every item read from a raw link until each of ``keys`` has had its last one."""
     items: dict[str, list] = {key: [] for key in keys}
-    done = lambda item: item[2] is not None or item[1]["finish_reason"] is not None  # noqa: E731
+    done = lambda item: item[2] is not None or item[1].finish_reason is not None  # noqa: E731
     while not all(seen and done(seen[-1]) for seen in items.values()):
         for item in await asyncio.wait_for(read_outputs(reader), 5):
             items.setdefault(item[0], []).append(item)
@@ -210,10 +210,10 @@ def test_a_submit_the_replica_cannot_take_fails_alone_and_its_link_serves_on(cas
         (refused,) = items["bad"]
         assert refused[1] is None and isinstance(refused[2], InvalidRequestError) and field in str(refused[2])
         for key, want in (("r0", 40), ("r2", 12)):
-            assert sum(len(item[1]["token_ids"]) for item in items[key]) == want
-            assert items[key][-1][1]["finish_reason"] == "length"
+            assert sum(len(item[1].token_ids) for item in items[key]) == want
+            assert items[key][-1][1].finish_reason == "length"
         writer.write(frame(Submit({**_request(3), "ingress_id": "hostile"})))  # the link is still open
-        assert sum(len(item[1]["token_ids"]) for item in (await _finals(reader, {"r3"}))["r3"]) == 12
+        assert sum(len(item[1].token_ids) for item in (await _finals(reader, {"r3"}))["r3"]) == 12
         writer.close()
         stats = rep.engine.stats()
         assert stats.num_finished == 3 and stats.running == 0 and stats.waiting == 0
@@ -237,7 +237,7 @@ def test_an_ingress_of_another_link_version_is_served(hello):
         writer.write(mac(key, b"ingress", nonce, answer[:NONCE_BYTES]) + frame(hello))
         writer.write(frame(Submit({**_request(0), "ingress_id": hello["ingress_id"]})))
         items = (await _finals(reader, {"r0"}))["r0"]
-        assert sum(len(item[1]["token_ids"]) for item in items) == 12
+        assert sum(len(item[1].token_ids) for item in items) == 12
         writer.close()
         await _shutdown([rep])
     run(main())

@@ -11,10 +11,11 @@ import asyncio
 import pytest
 
 import deployments.link_client as link_client
+from deployments.contract import EngineMessage
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
 from deployments.link import new_token
-from deployments.link_client import LinkEngineClient, merge_messages
+from deployments.link_client import LinkEngineClient
 from deployments.link_wire import outputs, wire_id
 from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
@@ -38,7 +39,7 @@ def test_many_streams_share_one_link_and_get_their_own_tokens(monkeypatch):
         want = [(await _tokens(LocalEngineClient(reps).generate(_request(i))))[0] for i in range(8)]
         got = await asyncio.gather(*(_tokens(client.generate(_request(i))) for i in range(8)))
         assert [tokens for tokens, _ in got] == want
-        assert all(messages[-1]["finish_reason"] == "length" for _, messages in got)
+        assert all(messages[-1].finish_reason == "length" for _, messages in got)
         assert len(client._links) == 1
         # 8 requests x 12 tokens in far fewer frames than messages: one per engine step
         assert len(batches) < sum(len(messages) for _, messages in got) and max(batches) > 1
@@ -65,7 +66,7 @@ def test_an_abort_before_the_replica_is_known_ends_the_stream_and_nothing_runs()
         stream.abort()
         gate.set()
         message = await asyncio.wait_for(pending, 5)
-        assert message["finish_reason"] == "abort" and message["token_ids"] == []
+        assert message.finish_reason == "abort" and message.token_ids == []
         assert reps[0].record_routing_stats()["link_requests"] == 0
         await _shutdown(reps)
     run(main())
@@ -103,9 +104,8 @@ def _hand_fed(*items) -> tuple[LinkEngineClient, asyncio.StreamReader]:
     return client, reader
 
 
-def _message(tokens, finish=None, index=0, running=1) -> dict:
-    return {"token_ids": tokens, "finish_reason": finish, "logprobs": None, "num_prompt_tokens": 3,
-            "num_output_tokens": len(tokens), "num_cached_tokens": 0, "index": index, "choices_running": running}
+def _message(tokens, finish=None, index=0, running=1) -> EngineMessage:
+    return EngineMessage(tokens, finish, None, 3, len(tokens), 0, index=index, choices_running=running)
 
 
 def _registered(client: LinkEngineClient, request: dict):
@@ -123,7 +123,7 @@ def test_a_resumed_attempt_never_hears_an_error_left_over_from_its_first():
         client, _ = _hand_fed(("r0", None, Unavailable("the first attempt's link broke")),
                               (wire_id(resumed), _message([5, 6], "length", running=0), None))
         stream = _registered(client, resumed)
-        assert [m["token_ids"] async for m in stream] == [[5, 6]]
+        assert [m.token_ids async for m in stream] == [[5, 6]]
         assert wire_id(resumed) != wire_id(_request(0)) == "r0"
     run(main())
 
@@ -137,7 +137,7 @@ def test_a_stream_behind_gets_queued_messages_as_one_and_the_link_error_after_th
         reader.feed_data(outputs([("r0", _message([i]), None) for i in range(3)]))
         reader.feed_eof()  # then the replica closes the link
         await client._read(link)
-        assert (await stream.__anext__())["token_ids"] == [0, 1, 2]
+        assert (await stream.__anext__()).token_ids == [0, 1, 2]
         with pytest.raises(Unavailable, match="closed its link"):
             await stream.__anext__()
         assert "rep" in client._avoid() and "rep" not in client._links
@@ -152,21 +152,11 @@ def test_choices_are_merged_apart_and_the_stream_ends_with_the_last_choice():
                                                (1, [8], "length", 1), (0, [3], "stop", 0)]:
             stream.queue.put_nowait((_message(tokens, finish, index, running), None))
         got = [await stream.__anext__() for _ in range(2)]
-        assert [(m["index"], m["token_ids"], m["finish_reason"]) for m in got] == [
+        assert [(m.index, m.token_ids, m.finish_reason) for m in got] == [
             (1, [7, 8], "length"), (0, [1, 2, 3], "stop")]  # the message that ends the request last
         with pytest.raises(StopAsyncIteration):
             await stream.__anext__()
     run(main())
-
-
-def test_merged_messages_keep_every_token_and_the_latest_counts():
-    a = {"token_ids": [1, 2], "logprobs": None, "finish_reason": None, "num_output_tokens": 2}
-    b = {"token_ids": [3], "logprobs": None, "finish_reason": "length", "num_output_tokens": 3}
-    assert merge_messages(a, b) == {"token_ids": [1, 2, 3], "logprobs": None, "finish_reason": "length",
-                                    "num_output_tokens": 3}
-    la, lb = {**a, "logprobs": [{1: -0.1}, {2: -0.2}]}, {**b, "logprobs": [{3: -0.3}]}
-    assert merge_messages(la, lb)["logprobs"] == [{1: -0.1}, {2: -0.2}, {3: -0.3}]
-    assert merge_messages({**a, "queue_time_s": 0.5}, b)["queue_time_s"] == 0.5  # on the first message only
 
 
 def test_n_over_a_link_and_a_resume_of_the_running_choices():
@@ -175,11 +165,11 @@ def test_n_over_a_link_and_a_resume_of_the_running_choices():
         request = {**_request(5), "params": SamplingParams(max_tokens=12, ignore_eos=True, n=3)}
         whole = {}
         async for m in client.generate(dict(request)):
-            whole.setdefault(m["index"], []).extend(m["token_ids"])
+            whole.setdefault(m.index, []).extend(m.token_ids)
         resumed = {}
         async for m in client.generate({**request, "request_id": "again",
                                         "resume_choices": {1: whole[1][:4], 2: whole[2][:9]}}):
-            resumed.setdefault(m["index"], []).extend(m["token_ids"])
+            resumed.setdefault(m.index, []).extend(m.token_ids)
         await _shutdown(reps)
         return whole, resumed
 

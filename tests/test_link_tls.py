@@ -72,7 +72,7 @@ def test_requests_stream_over_a_mutual_tls_link(tmp_path):
         await asyncio.sleep(0)
         client = _client(rep, token, tls)
         results = await asyncio.gather(*(_tokens(client.generate(_request(i))) for i in range(4)))
-        assert all(len(tokens) == 12 and messages[-1]["finish_reason"] == "length" for tokens, messages in results)
+        assert all(len(tokens) == 12 and messages[-1].finish_reason == "length" for tokens, messages in results)
         (link,) = client._links.values()
         assert link.writer.get_extra_info("ssl_object") is not None  # the frames went encrypted
         await _shutdown([rep])

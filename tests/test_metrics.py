@@ -151,8 +151,8 @@ def test_replica_records_what_it_served():
             request = {"request_id": f"r{i}", "prompt_token_ids": [1, 2, 3],
                        "params": SamplingParams(max_tokens=n, ignore_eos=True)}
             got = [m async for m in replica.generate(request)]
-            assert sum(len(m["token_ids"]) for m in got) == n
-            assert ["queue_time_s" in m for m in got] == [True] + [False] * (len(got) - 1)  # on the first only
+            assert sum(len(m.token_ids) for m in got) == n
+            assert [m.queue_time_s is not None for m in got] == [True] + [False] * (len(got) - 1)  # on the first only
         gen = replica.generate({"request_id": "gone", "prompt_token_ids": [1], "params": SamplingParams(max_tokens=50)})
         await gen.__anext__()
         await gen.aclose()  # the client went away mid-stream

@@ -11,6 +11,7 @@ import pytest
 
 from deployments.admission import Capacity
 from deployments.app import AppConfig
+from deployments.contract import EngineMessage
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Overloaded, TenantLimitExceeded
 from deployments.frontend import Frontend, FrontendConfig
@@ -71,14 +72,18 @@ def test_tokens_per_minute_are_a_bucket_that_a_request_may_overdraw():
     assert rec.values("tenant_requests_in_flight", tenant="a")[-1] == 0
 
 
+def _message(token_ids: list[int], queue_time_s: float | None = None) -> EngineMessage:
+    return EngineMessage(token_ids, None, None, 10, len(token_ids), 0, choices_running=1, queue_time_s=queue_time_s)
+
+
 def test_a_tickets_latencies_are_recorded_once_per_request_and_only_for_a_tenant():
     rec = FakeRecorder()
     quotas = TenantQuotas([Tenant("a", ("k" * 8,))], recorder=rec)
     for tenant in ("a", None):
         ticket = quotas.admit(tenant, 10, arrival=100.0)
-        ticket.observe({"token_ids": [1], "queue_time_s": 0.25}, "", now=100.5)  # its text still held back
-        ticket.observe({"token_ids": [2]}, "hi", now=101.0)
-        ticket.observe({"token_ids": [3], "queue_time_s": 0.75}, "!", now=102.0)  # resumed elsewhere: not again
+        ticket.observe(_message([1], queue_time_s=0.25), "", now=100.5)  # its text still held back
+        ticket.observe(_message([2]), "hi", now=101.0)
+        ticket.observe(_message([3], queue_time_s=0.75), "!", now=102.0)  # resumed elsewhere: not again
         ticket.finish(3)
     quotas.overloaded("a"), quotas.overloaded(None)
     assert rec.values("tenant_queue_time_seconds", tenant="a") == [0.25]

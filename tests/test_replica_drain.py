@@ -43,8 +43,8 @@ def test_shutdown_lets_running_streams_finish(tiny_model_dir):
         await asyncio.wait_for(replica.shutdown(), 60)
         for stream in streams:
             messages = stream.result()  # done: shutdown waited for them
-            assert messages[-1]["finish_reason"] == "length"
-            assert sum(len(m["token_ids"]) for m in messages) == 120
+            assert messages[-1].finish_reason == "length"
+            assert sum(len(m.token_ids) for m in messages) == 120
         with pytest.raises(EngineDeadError, match="shutting down"):
             await replica.generate(_request("late", 4)).__anext__()
     asyncio.run(main())
@@ -59,6 +59,6 @@ def test_past_the_drain_timeout_streams_end_with_abort(tiny_model_dir):
         await _started(replica, 1)
         await asyncio.wait_for(replica.shutdown(), 30)
         messages = await asyncio.wait_for(stream, 10)
-        assert messages[-1]["finish_reason"] == "abort"
-        assert 0 < sum(len(m["token_ids"]) for m in messages) < 1000
+        assert messages[-1].finish_reason == "abort"
+        assert 0 < sum(len(m.token_ids) for m in messages) < 1000
     asyncio.run(main())

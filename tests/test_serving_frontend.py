@@ -186,14 +186,15 @@ def test_replica_contracts(tokenizer):
         assert all(isinstance(stats[k], t) for k, t in types.items())
         auto = rep.record_autoscaling_stats()
         assert set(auto) >= {"slot_occupancy", "waiting"} and all(type(v) is float for v in auto.values())
-        # a slow consumer gets coalesced messages, never one per token
+        # what the engine hands over at once goes out as one message (the fake engine's outputs hold
+        # every token since its consumer last looked)
         request = {"request_id": "r", "prompt_token_ids": [1, 2, 3], "params": _params(40), "priority": 0}
         stream = rep.generate(request)
         first = await stream.__anext__()
         # The consumer looks away until the engine has produced everything: one message holds it all.
         await async_wait_until(lambda: rep.engine.stats().num_finished == 1, "the request finished")
         rest = [m async for m in stream]
-        assert len(first["token_ids"]) + sum(len(m["token_ids"]) for m in rest) == 40 and len(rest) == 1
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 40 and len(rest) == 1
         rep.check_health()
         rep.engine.kill()
         with pytest.raises(EngineDeadError):
@@ -210,7 +211,7 @@ def test_replica_drains_before_shutdown(tokenizer):
         await wait_load(rep, running=1)
         await rep.shutdown()  # waits for the running request
         messages = await consumer
-        assert messages[-1]["finish_reason"] == "length"
+        assert messages[-1].finish_reason == "length"
         with pytest.raises(EngineDeadError, match="shutting down"):
             await rep.generate({**request, "request_id": "late"}).__anext__()
     run(main())
