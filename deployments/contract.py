@@ -1,6 +1,8 @@
-"""The serving path's typed contract: what a replica sends back for a request.
+"""The serving path's typed contract: what an ingress asks of an engine replica, and what comes back.
 
-``EngineMessage`` is one engine output of one request, as the replica makes it from the engine's
+``EngineRequest`` is made once by the ingress (``PreparedRequest.engine_request``), noted by the
+router that picks its replica, sent on the engine link as it is and read by the replica, which
+hands its fields to the engine. ``EngineMessage`` is one engine output of one request, as the replica makes it from the engine's
 ``StreamOutput``, as the engine link carries it (msgspec encodes the struct as it is, and decodes
 into it and nothing else), and as the frontend's text assembler reads it. Wherever messages queue
 behind a slow reader, ``coalesce`` joins them with the one ``merge``.
@@ -13,6 +15,58 @@ from typing import Any
 import msgspec
 
 from engine.outputs import FINISH_ABORT, StreamOutput, audit_records
+from engine.sampling import SamplingParams
+
+
+def wire_key(request_id: str, attempt: int) -> str:
+    """A request's key on the wire: one per attempt, so an error left over from a first attempt
+    never reaches the resumed one."""
+    return request_id if not attempt else f"{request_id}~{attempt}"
+
+
+class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request as an engine replica takes it: token ids only, no text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    """``SamplingParams``. On the wire a map of its fields, made one (and so checked, an unknown field
+    refused) when the replica decodes it: a request it cannot take fails alone."""
+    ingress_id: str = ""
+    """The ingress whose engine link carries it (set by that link)."""
+    priority: int = 0
+    attempt: int = 0
+    """How many times it was sent before (a replica died under it): its wire key differs each time."""
+    resume_token_ids: list[int] = []
+    """Output tokens the client already has: the engine recomputes them and goes on from there."""
+    resume_choices: dict[int, list[int]] | None = None
+    """With ``n`` > 1: the choices still to run, each with the tokens it has."""
+    lora: str | None = None
+    """The LoRA adapter to run with (its name); None: the base model."""
+    lora_path: str | None = None
+    """Where a replica that lacks ``lora`` loads it from (an adapter loaded at run time)."""
+    trace_context: dict[str, str] | None = None
+    cache_salt: str | None = None
+    tenant: str | None = None
+    """Whose request it is: the replica's waiting queue shares service between tenants."""
+    tenant_weight: float = 1.0
+    operation: str = "text_completion"
+    routing: dict[str, Any] | None = None
+    """Why its replica was picked (``reason``, ``time_ns``): the replica's trace shows it."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, SamplingParams):
+            if not isinstance(self.params, dict):
+                raise TypeError(f"params must be a map of sampling fields, got {type(self.params).__name__}")
+            self.params = SamplingParams(**self.params)
+
+    @property
+    def wire_id(self) -> str:
+        return wire_key(self.request_id, self.attempt)
+
+    def noted(self, reason: str, time_ns: int) -> None:
+        """Record why its replica was picked (a re-routed request gets a new note)."""
+        self.routing = {"reason": reason, "time_ns": time_ns}
 
 
 class EngineMessage(msgspec.Struct, omit_defaults=True):

@@ -12,8 +12,7 @@ import itertools
 import time
 from typing import AsyncIterator, Protocol, Sequence
 
-from deployments.contract import EngineMessage
-from router.policy import ROUTING_NOTE
+from deployments.contract import EngineMessage, EngineRequest
 
 
 class EngineStream(Protocol):
@@ -32,7 +31,7 @@ class EngineStream(Protocol):
 
 
 class EngineClient(Protocol):
-    def generate(self, request: dict) -> EngineStream: ...
+    def generate(self, request: EngineRequest) -> EngineStream: ...
 
     async def model_info(self) -> dict:
         """``EngineReplica.model_info()`` of any replica (they all serve the same model)."""
@@ -48,9 +47,9 @@ class EngineClient(Protocol):
 
 
 class _LocalStream:
-    def __init__(self, replica, request: dict) -> None:
+    def __init__(self, replica, request: EngineRequest) -> None:
         self._replica = replica
-        self._request_id = request["request_id"]
+        self._request_id = request.request_id
         self._gen = replica.generate(request)
 
     def __aiter__(self) -> "_LocalStream":
@@ -75,8 +74,8 @@ class LocalEngineClient:
         self._replicas = list(replicas)
         self._next = itertools.cycle(self._replicas)
 
-    def _pick(self, request: dict):
-        request[ROUTING_NOTE] = {"reason": "round_robin", "time_ns": time.time_ns()}  # as the slot-aware router notes
+    def _pick(self, request: EngineRequest):
+        request.noted("round_robin", time.time_ns())  # as the slot-aware router notes
         # Serve stops routing to a replica whose health check fails; so does this.
         for _ in range(len(self._replicas)):
             replica = next(self._next)
@@ -84,10 +83,10 @@ class LocalEngineClient:
                 return replica
         return replica  # none healthy: its error reaches the caller
 
-    def generate(self, request: dict) -> EngineStream:
+    def generate(self, request: EngineRequest) -> EngineStream:
         return _LocalStream(self._pick(request), request)
 
-    async def link_address(self, request: dict) -> tuple[str, str]:
+    async def link_address(self, request: EngineRequest) -> tuple[str, str]:
         """The id and engine link address (deployments.link) of the replica picked for ``request``."""
         return await self._pick(request).link_address(request)
 

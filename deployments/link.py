@@ -36,11 +36,11 @@ from typing import AsyncIterator, Protocol
 
 import msgspec
 
-from deployments.contract import EngineMessage
+from deployments.contract import EngineMessage, EngineRequest
 from deployments.link_wire import (LINK_TOKEN_ENV, LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls,
                                    ReloadingTls, SubmitIn,
                                    check_token, frame, keepalive, link_keys, mac, new_token, outputs, proven_key,
-                                   read_ingress_frame, wire_id)
+                                   read_ingress_frame)
 
 __all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTls", "check_token", "new_token"]
 
@@ -70,7 +70,7 @@ async def settle(task: asyncio.Task) -> None:
 class Replica(Protocol):
     """What the link needs of ``replica.EngineReplica``."""
 
-    def generate(self, request: dict) -> AsyncIterator[EngineMessage]: ...
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineMessage]: ...
 
     def abort(self, request_id: str, index: int | None = None) -> bool: ...
 
@@ -83,7 +83,7 @@ class Connection:
         self.items: list[tuple] = []  # (wire id, EngineMessage or None, exception or None)
         self.ready = asyncio.Event()
         self.pumps: dict[str, asyncio.Task] = {}
-        self.unstarted: dict[str, dict] = {}  # submitted in this read, not handed to the engine yet
+        self.unstarted: dict[str, EngineRequest] = {}  # submitted in this read, not handed to the engine yet
         self.started: dict[str, float] = {}  # wire id -> when it came, until it ends (the access log)
         self.closed = False
 
@@ -200,10 +200,10 @@ class LinkServer:
             writer.close()
             self._connections.discard(me)
 
-    def submit(self, connection: Connection, request: dict) -> None:
+    def submit(self, connection: Connection, request: EngineRequest) -> None:
         """Start ``request``; its outputs go out on ``connection``."""
         self.requests += 1
-        key = wire_id(request)
+        key = request.wire_id
         connection.started[key] = time.monotonic()
         connection.unstarted[key] = request
         connection.pumps[key] = asyncio.get_running_loop().create_task(self._pump(connection, key, request))
@@ -215,15 +215,15 @@ class LinkServer:
         connection.push((key, None, error))
 
     def _abort(self, connection: Connection, abort: Abort) -> bool:
-        key = next((k for k, r in connection.unstarted.items() if r["request_id"] == abort.request_id), None)
+        key = next((k for k, r in connection.unstarted.items() if r.request_id == abort.request_id), None)
         if key is not None and abort.index is None:  # its submit came in the same read: it never runs
             connection.pumps.pop(key).cancel()
             request = connection.unstarted.pop(key)
-            connection.push((key, EngineMessage.aborted(len(request["prompt_token_ids"])), None))
+            connection.push((key, EngineMessage.aborted(len(request.prompt_token_ids)), None))
             return True
         return self._replica.abort(abort.request_id, abort.index)
 
-    async def _pump(self, connection: Connection, key: str, request: dict) -> None:
+    async def _pump(self, connection: Connection, key: str, request: EngineRequest) -> None:
         connection.unstarted.pop(key, None)
         stream = self._replica.generate(request)
         try:

@@ -20,10 +20,10 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 
-from deployments.contract import EngineMessage, coalesce
+from deployments.contract import EngineMessage, EngineRequest, coalesce
 from deployments.errors import Unavailable
 from deployments.link_wire import (LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, ReloadingTls,
-                                   Submit, frame, keepalive, link_keys, mac, proven_key, read_outputs, wire_id)
+                                   Submit, frame, keepalive, link_keys, mac, proven_key, read_outputs)
 
 CONNECT_TIMEOUT_S = 5.0
 ABORT_REPLY_S = 10.0
@@ -37,11 +37,11 @@ Chooser = Callable[[dict, frozenset], "tuple[str, str] | None"]
 class LinkStream:
     """One request's messages, fed by its replica's connection (``EngineStream`` contract)."""
 
-    def __init__(self, client: "LinkEngineClient", request: dict) -> None:
+    def __init__(self, client: "LinkEngineClient", request: EngineRequest) -> None:
         self._client = client
         self.request = request
-        self.request_id = request["request_id"]
-        self.wire_id = wire_id(request)
+        self.request_id = request.request_id
+        self.wire_id = request.wire_id
         self.replica_id: str | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.started = False
@@ -146,8 +146,8 @@ class LinkEngineClient:
         self._replies: dict[int, tuple[_Link, asyncio.Future]] = {}  # aborts by request id awaiting Found
         self._reply_ids = itertools.count()
 
-    def generate(self, request: dict) -> LinkStream:
-        return LinkStream(self, {**request, "ingress_id": self.ingress_id})
+    def generate(self, request: EngineRequest) -> LinkStream:
+        return LinkStream(self, msgspec.structs.replace(request, ingress_id=self.ingress_id))
 
     def start(self, stream: LinkStream) -> None:
         # Registered before submitting: the first message can come before the submit returns.
@@ -159,13 +159,13 @@ class LinkEngineClient:
             link = await self._link_for(stream.request)
             stream.replica_id = link.replica_id  # from here on, the link's failure reaches the stream
             if stream.abort_wanted:  # aborted or closed while submitting: it ends as an abort, never sent
-                stream.queue.put_nowait((EngineMessage.aborted(len(stream.request["prompt_token_ids"])), None))
+                stream.queue.put_nowait((EngineMessage.aborted(len(stream.request.prompt_token_ids)), None))
                 return
             link.send(Submit(stream.request))
         except Exception as exc:  # noqa: BLE001 - refused, no replica, unreachable: the stream raises it
             stream.queue.put_nowait((None, exc))
 
-    async def _link_for(self, request: dict) -> _Link:
+    async def _link_for(self, request: EngineRequest) -> _Link:
         choice = self._choose(request, self._avoid())
         if choice is None:
             choice = await self._serve.link_address(request)

@@ -25,12 +25,11 @@ from typing import Any, Union
 
 import msgspec
 
-from deployments.contract import EngineMessage
+from deployments.contract import EngineMessage, EngineRequest, wire_key
 from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
                                 Unauthenticated, Unavailable)
 from engine.errors import (AdapterLoadError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
                            UnknownAdapterError)
-from engine.sampling import SamplingParams
 
 TOKEN_BYTES = 16
 LINK_TOKEN_ENV = "SLOTSERVE_LINK_TOKEN"
@@ -51,47 +50,6 @@ logger = logging.getLogger(__name__)
 
 # -- ingress -> replica
 
-def wire_id(request: dict) -> str:
-    """A request's key on the wire: one per attempt, so an error left over from a first attempt
-    never reaches the resumed one (``PreparedRequest.engine_request``'s ``attempt``)."""
-    attempt = request.get("attempt", 0)
-    return request["request_id"] if not attempt else f"{request['request_id']}~{attempt}"
-
-
-class EngineRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """``PreparedRequest.engine_request()`` with the ingress's id, as the replica takes it."""
-
-    request_id: str
-    ingress_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]
-    priority: int = 0
-    attempt: int = 0
-    resume_token_ids: list[int] = []
-    resume_choices: dict[int, list[int]] | None = None
-    lora: str | None = None
-    """The LoRA adapter to run with (its name); None: the base model."""
-    lora_path: str | None = None
-    """Where a replica that lacks ``lora`` loads it from (an adapter loaded at run time)."""
-    trace_context: dict[str, str] | None = None
-    cache_salt: str | None = None
-    tenant: str | None = None
-    """Whose request it is: the replica's waiting queue shares service between tenants."""
-    tenant_weight: float = 1.0
-    operation: str = "text_completion"
-    routing: dict[str, Any] | None = None
-    """The router's decision, under the key it writes it to (``router.policy.ROUTING_NOTE``)."""
-
-    def as_dict(self) -> dict:
-        """The replica's request dict; a bad sampling field raises SamplingParams's error."""
-        request = msgspec.structs.asdict(self)
-        request["params"] = SamplingParams(**self.params)
-        for key in ("resume_choices", "lora", "lora_path", "cache_salt", "tenant"):
-            if request[key] is None:
-                del request[key]
-        return request
-
-
 class Hello(msgspec.Struct, tag="hello"):
     ingress_id: str
     version: int = 0
@@ -109,14 +67,14 @@ class SubmitIn(msgspec.Struct, tag="submit"):
 
     request: msgspec.Raw
 
-    def take(self) -> tuple[str, dict | Exception]:
-        """The request's wire id and its dict, or the error to answer it with. Raises
+    def take(self) -> tuple[str, EngineRequest | Exception]:
+        """The request's wire id and the request, or the error to answer it with. Raises
         msgspec.ValidationError when not even its id can be read: then nothing can be answered."""
         head = _request_head.decode(self.request)
-        key = wire_id({"request_id": head.request_id, "attempt": head.attempt})
+        key = wire_key(head.request_id, head.attempt)
         try:
-            return key, _engine_request.decode(self.request).as_dict()
-        except (msgspec.ValidationError, TypeError, ValueError) as exc:  # ValueError: SamplingParams's own
+            return key, _engine_request.decode(self.request)
+        except msgspec.ValidationError as exc:  # SamplingParams's own checks included
             return key, InvalidRequestError(f"engine replica refused request {head.request_id!r}: {exc}")
 
 

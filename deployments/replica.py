@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any, AsyncIterator
 
-from deployments.contract import EngineMessage
+from deployments.contract import EngineMessage, EngineRequest
 from deployments.link import LinkServer, LinkTls
 from deployments.metrics import EngineMetrics, Recorder, recorder_for
 from deployments.nvml import GpuMonitor
@@ -121,24 +121,23 @@ class EngineReplica:
         """What this replica records; ``metrics.recorder`` (like ``tracing``) may be swapped at run time."""
         return self._metrics
 
-    async def generate(self, request: dict) -> AsyncIterator[EngineMessage]:
-        """Stream one request (``PreparedRequest.engine_request()``) through the engine."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineMessage]:
+        """Stream one request through the engine."""
         if not self._accepting:
             raise EngineDeadError("this replica is shutting down and takes no new requests")
         received_ns = time.time_ns()
-        rid = request["request_id"]
-        if request.get("lora_path") is not None and request["lora"] not in self._engine.stats().lora_paths:
+        rid = request.request_id
+        if request.lora_path is not None and request.lora not in self._engine.stats().lora_paths:
             # Loaded at run time on other replicas (deployments.adapters): read it here too, unless it
             # was unloaded here (an ingress may still list it until its next poll).
-            if request["lora"] in self._unloaded_adapters:
-                raise UnknownAdapterError(f"adapter {request['lora']!r} was unloaded")
-            await self._engine.load_lora(request["lora"], request["lora_path"])
-        stream = self._engine.generate(request["prompt_token_ids"], request["params"], request_id=rid,
-                                       priority=request.get("priority", 0),
-                                       resume_token_ids=request.get("resume_token_ids", ()),
-                                       resume_choices=request.get("resume_choices"), lora=request.get("lora"),
-                                       cache_salt=request.get("cache_salt"), tenant=request.get("tenant"),
-                                       tenant_weight=request.get("tenant_weight", 1.0))
+            if request.lora in self._unloaded_adapters:
+                raise UnknownAdapterError(f"adapter {request.lora!r} was unloaded")
+            await self._engine.load_lora(request.lora, request.lora_path)
+        stream = self._engine.generate(request.prompt_token_ids, request.params, request_id=rid,
+                                       priority=request.priority, resume_token_ids=request.resume_token_ids,
+                                       resume_choices=request.resume_choices, lora=request.lora,
+                                       cache_salt=request.cache_salt, tenant=request.tenant,
+                                       tenant_weight=request.tenant_weight)
         self._active.add(rid)
         self._start_metrics_loop()
         request_metrics = self._metrics.request()
@@ -173,15 +172,15 @@ class EngineReplica:
             if not finished:
                 self._trace(request, last, received_ns)
 
-    def _trace(self, request: dict, last: StreamOutput | None, received_ns: int) -> None:
+    def _trace(self, request: EngineRequest, last: StreamOutput | None, received_ns: int) -> None:
         if not self.tracing.enabled:
             return
         try:
             self.tracing.record_engine_request(request, last, self.replica_id, self._model_name, received_ns)
         except Exception:  # noqa: BLE001 - a span must never fail a request
-            logger.exception("tracing request %s failed", request.get("request_id"))
+            logger.exception("tracing request %s failed", request.request_id)
 
-    async def link_address(self, request: dict) -> tuple[str, str]:
+    async def link_address(self, request: EngineRequest) -> tuple[str, str]:
         """This replica's id and engine link address (deployments.link), for ``request``: what an
         ingress asks through Serve while its router knows no replica with a link; the request
         itself then goes over the link."""

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, ValidationError, field_validator
 
+from deployments.contract import EngineRequest
 from deployments.errors import BadRequest
 from engine.errors import InvalidRequestError
 from engine.engine import MAX_REQUEST_ID_CHARS
@@ -139,37 +140,24 @@ class PreparedRequest:
     """``time.monotonic()`` when the ingress started preparing it: where the tenant's time to first token starts."""
 
     def engine_request(self, resume_token_ids: Sequence[int] = (), attempt: int = 0,
-                       resume_choices: Mapping[int, Sequence[int]] | None = None) -> dict:
-        """The dict sent to ``EngineReplica.generate``: token ids only, no text.
+                       resume_choices: Mapping[int, Sequence[int]] | None = None) -> EngineRequest:
+        """What an engine replica is sent (``deployments.contract``): token ids only, no text.
 
-        Routers read ``prompt_token_ids`` from it (the first positional argument) to
-        match cached prefixes. ``resume_token_ids``: output tokens the client already has
-        (a replica died mid-stream); the engine recomputes them and goes on from there.
-        ``attempt``: how many times it was sent before (its wire id differs each time).
-        ``resume_choices``: with ``n`` > 1, the choices still to run, each with the tokens it has.
+        ``resume_token_ids``: output tokens the client already has (a replica died mid-stream).
+        ``attempt``: how many times it was sent before. ``resume_choices``: with ``n`` > 1, the
+        choices still to run, each with the tokens it has.
         """
         cleared = ["stop", "include_stop_str_in_output"]  # the ingress applies stop strings, not the engine
         if resume_token_ids or any((resume_choices or {}).values()):  # the client has the prompt's logprobs
             cleared.append("prompt_logprobs")
-        engine_params = with_defaults(self.params, cleared)
-        request = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                   "params": engine_params, "priority": self.priority, "trace_context": self.trace_context,
-                   "operation": self.operation}
-        if resume_token_ids:
-            request["resume_token_ids"] = list(resume_token_ids)
-        if resume_choices is not None:
-            request["resume_choices"] = {int(i): list(ids) for i, ids in resume_choices.items()}
-        if self.lora is not None:
-            request["lora"] = self.lora
-            if self.lora_path is not None:
-                request["lora_path"] = self.lora_path
-        if self.cache_salt is not None:
-            request["cache_salt"] = self.cache_salt
-        if self.tenant is not None:
-            request["tenant"], request["tenant_weight"] = self.tenant, self.tenant_weight
-        if attempt:
-            request["attempt"] = attempt
-        return request
+        return EngineRequest(
+            request_id=self.request_id, prompt_token_ids=list(self.prompt_token_ids),
+            params=with_defaults(self.params, cleared), priority=self.priority, attempt=attempt,
+            resume_token_ids=list(resume_token_ids),
+            resume_choices=None if resume_choices is None else {int(i): list(ids) for i, ids in resume_choices.items()},
+            lora=self.lora, lora_path=self.lora_path if self.lora is not None else None,
+            trace_context=self.trace_context, cache_salt=self.cache_salt, tenant=self.tenant,
+            tenant_weight=self.tenant_weight if self.tenant is not None else 1.0, operation=self.operation)
 
 
 _DEFAULT_SAMPLING = SamplingParams()

@@ -8,8 +8,8 @@ One trace per request::
           └ "<op> <model>"    the engine replica: one event per audit-trail entry (queued,
                               scheduled, prefill_chunk, preempted, resumed, first_token, finished)
 
-The ingress hands its span's ``traceparent`` to the replica inside the request dict; the router
-adds its decision there (``router.policy.ROUTING_NOTE``). The replica builds its two spans from
+The ingress hands its span's ``traceparent`` to the replica inside the ``EngineRequest``; the router
+notes its decision there (``EngineRequest.routing``). The replica builds its two spans from
 the engine's recorded events once the request has ended, with the engine's timestamps: the step
 loop does no tracing work. Attributes follow OpenTelemetry's GenAI conventions.
 
@@ -33,8 +33,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from deployments.contract import EngineRequest
 from engine.outputs import AUDIT_DETAILS, FINISH_ABORT, StreamOutput
-from router.policy import ROUTING_NOTE
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class Tracing:
                                        attributes={REQUEST_MODEL: model, **(attributes or {})})
         return IngressSpan(span)
 
-    def record_engine_request(self, request: Mapping, last: StreamOutput | None, replica_id: str, model: str,
+    def record_engine_request(self, request: EngineRequest, last: StreamOutput | None, replica_id: str, model: str,
                               received_ns: int) -> None:
         """The replica's spans of one request, from the engine's audit trail, once it has ended.
 
@@ -153,8 +153,8 @@ class Tracing:
         this replica got the request (``time.time_ns()``), the end of the routing span."""
         if self._tracer is None:
             return
-        parent = _extract(request.get("trace_context"))
-        note = request.get(ROUTING_NOTE)
+        parent = _extract(request.trace_context)
+        note = request.routing
         if isinstance(note, Mapping):
             parent = self._route_span(parent, note, replica_id, received_ns)
             if parent is None:  # not sampled
@@ -163,15 +163,15 @@ class Tracing:
         to_wall = _wall_clock()
         now_ns = time.time_ns()
         start_ns = to_wall(timing.arrival_time) if timing is not None else received_ns
-        params = request.get("params")
-        operation = request.get("operation") or "text_completion"
+        params = request.params
+        operation = request.operation or "text_completion"
         span = self._tracer.start_span(f"{operation} {model}", context=parent, start_time=start_ns,
                                        attributes=_request_attributes(operation, model, params))
         if not span.is_recording():
             return
-        span.set_attributes({REPLICA: replica_id, REQUEST_ID: str(request.get("request_id"))})
-        if request.get("tenant") is not None:
-            span.set_attribute(TENANT, str(request["tenant"]))
+        span.set_attributes({REPLICA: replica_id, REQUEST_ID: request.request_id})
+        if request.tenant is not None:
+            span.set_attribute(TENANT, request.tenant)
         if last is not None:
             span.set_attributes(_usage_attributes(last))
         if timing is not None:
@@ -183,7 +183,7 @@ class Tracing:
         span.end(end_time=to_wall(finished) if finished is not None else now_ns)
 
     def _route_span(self, parent, note: Mapping, replica_id: str, received_ns: int):
-        """The routing decision (``router.policy.ROUTING_NOTE``) as a span ending when this replica
+        """The routing decision (``EngineRequest.routing``) as a span ending when this replica
         got the request; returns the context its children descend from, None when not sampled."""
         start_ns = min(int(note.get("time_ns", received_ns)), received_ns)  # clocks of two hosts may disagree
         route = self._tracer.start_span("slotserve.route", context=parent, start_time=start_ns,

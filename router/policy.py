@@ -31,9 +31,6 @@ DEFAULT_LOAD_SLACK = 0.25
 ROUTING_DECISIONS_METRIC = "slotserve_routing_decisions"
 """Counter recorded by ``router.request_router``, label ``reason``: one of ``ROUTING_REASONS``."""
 ROUTING_REASONS = ("prefix", "lora", "load", "fallback")
-ROUTING_NOTE = "routing"
-"""Key the router adds to a generate call's request dict: ``{"reason", "time_ns"}`` of its decision
-(``time.time_ns()``), which the chosen replica turns into the trace's routing span."""
 _INT_FIELDS = ("free_slots", "running", "waiting", "max_num_seqs", "kv_blocks_used", "kv_blocks_total",
                "block_size")
 

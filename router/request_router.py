@@ -24,8 +24,9 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.contract import EngineRequest
 from engine.kv.hashing import ROOT_HASH, prefix_routing_keys, salted_root
-from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_NOTE, ROUTING_REASONS, Ranking, ReplicaLoad,
+from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_REASONS, Ranking, ReplicaLoad,
                            RouterSettings, rank_replicas)
 
 logger = logging.getLogger("ray.serve")
@@ -57,38 +58,35 @@ def request_router_config(period_s: float = 0.5, **router_kwargs: Any) -> Reques
     )
 
 
-def _request_dict(pending_request: PendingRequest | None) -> Mapping | None:
-    if pending_request is None or not pending_request.args:
-        return None
-    request = pending_request.args[0]
-    return request if isinstance(request, Mapping) else None
+def _first_arg(pending_request: PendingRequest | None) -> Any:
+    return pending_request.args[0] if pending_request is not None and pending_request.args else None
+
+
+def _engine_request(pending_request: PendingRequest | None) -> EngineRequest | None:
+    """The request of a call that carries one (``link_address``); None for anything else (``model_info``...)."""
+    request = _first_arg(pending_request)
+    return request if isinstance(request, EngineRequest) else None
 
 
 def pinned_replica(pending_request: PendingRequest | None) -> str | None:
     """The replica a call names (``{"replica_id": ...}``): a LoRA load sent to every replica in turn."""
-    request = _request_dict(pending_request)
-    target = request.get("replica_id") if request is not None else None
+    call = _first_arg(pending_request)
+    target = call.get("replica_id") if isinstance(call, Mapping) else None
     return target if isinstance(target, str) else None
 
 
 def prompt_token_ids(pending_request: PendingRequest | None) -> list[int]:
-    """The prompt of a ``generate(request_dict)`` call; [] for anything else (``stats()``...)."""
-    request = _request_dict(pending_request)
-    if request is None:
-        return []
-    ids = request.get("prompt_token_ids")
-    return ids if isinstance(ids, (list, tuple)) else []
+    """The prompt of a call that carries an ``EngineRequest``; [] for anything else (``stats()``...)."""
+    request = _engine_request(pending_request)
+    return request.prompt_token_ids if request is not None else []
 
 
 def note_decision(pending_request: PendingRequest | None, reason: str) -> None:
     """Tell the chosen replica why (its trace's routing span): Serve serializes the arguments only
     after the choice, so the note travels with the request. A re-routed request gets a new note."""
-    _note(_request_dict(pending_request), reason)
-
-
-def _note(request: Mapping | None, reason: str) -> None:
-    if isinstance(request, dict):
-        request[ROUTING_NOTE] = {"reason": reason, "time_ns": time.time_ns()}
+    request = _engine_request(pending_request)
+    if request is not None:
+        request.noted(reason, time.time_ns())
 
 
 class SlotAwareRequestRouter(RequestRouter):
@@ -145,7 +143,7 @@ class SlotAwareRequestRouter(RequestRouter):
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             if pinned:
                 return [pinned]
-        request = _request_dict(pending_request)
+        request = _engine_request(pending_request)
         with self._lock:  # the ingress's engine links rank from another thread (choose_for_link)
             ranking, _ = self._rank(candidate_replicas, request)
             if ranking.ranks and len(ranking.ranks[0]) == 1 and prompt_token_ids(pending_request):
@@ -159,24 +157,22 @@ class SlotAwareRequestRouter(RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[rid] for rid in rank] for rank in ranking.ranks]
 
-    def _rank(self, candidates: list[RunningReplica], request: Mapping | None
+    def _rank(self, candidates: list[RunningReplica], request: EngineRequest | None
               ) -> tuple[Ranking, dict[ReplicaID, ReplicaLoad]]:
         """The policy's ranking for ``request``; a generate request gets its decision noted."""
         loads = {r.replica_id: self._load_of(r) for r in candidates}
-        ids = request.get("prompt_token_ids") if request is not None else None
-        prompt = ids if isinstance(ids, (list, tuple)) else []
-        adapter = request.get("lora") if request is not None else None
-        adapter = adapter if isinstance(adapter, str) else None
+        prompt = request.prompt_token_ids if request is not None else []
+        adapter = request.lora if request is not None else None
         hashes = request_prefix_keys(request, list(loads.values()), self._settings) if prompt else []
         ranking = rank_replicas(list(loads.values()), hashes, time.time(), self._rng, self._settings.stale_after_s,
                                 prompt_len=len(prompt), load_slack=self._settings.load_slack,
                                 adapter=adapter if self._settings.lora_affinity else None)
         if prompt:  # a generate call (not stats / model_info)
             self._record_decision(ranking.reason)
-            _note(request, ranking.reason)
+            request.noted(ranking.reason, time.time_ns())
         return ranking, loads
 
-    def choose_for_link(self, request: dict, avoid: frozenset = frozenset()) -> tuple[str, str] | None:
+    def choose_for_link(self, request: EngineRequest, avoid: frozenset = frozenset()) -> tuple[str, str] | None:
         """The replica for ``request`` among those with an engine link (``deployments.link``) and an
         id not in ``avoid``, and its address; None when there is none. Counted as sent, like a
         request Serve routes."""
@@ -189,7 +185,7 @@ class SlotAwareRequestRouter(RequestRouter):
             if not ranking.ranks:
                 return None
             best = min(ranking.ranks[0], key=lambda rid: (loads[rid].load, self._rng.random()))
-            self._count_sent(request["request_id"], best)
+            self._count_sent(request.request_id, best)
         return best.unique_id, next(r for r in linked if r.replica_id == best).routing_stats["link"]
 
     def request_finished(self, request_id: str) -> None:
@@ -230,7 +226,9 @@ class SlotAwareRequestRouter(RequestRouter):
         if getattr(pending_request.metadata, "call_method", None) == "link_address":
             # A linked request (deployments.link) is named by this call, which returns at once: counted
             # until its stream ends in the ingress (request_finished) or the replica's stats include it.
-            return _request_dict(pending_request).get("request_id", pending_request.metadata.internal_request_id)
+            request = _engine_request(pending_request)
+            if request is not None:
+                return request.request_id
         return pending_request.metadata.internal_request_id
 
     def _count_sent(self, key: str, replica_id: ReplicaID) -> None:
@@ -312,16 +310,16 @@ def _block_size(loads: list[ReplicaLoad], fallback: int) -> int:
     return max(counts, key=counts.__getitem__) if counts else fallback
 
 
-def request_prefix_keys(request: Mapping, loads: list[ReplicaLoad], settings: RouterSettings) -> list[int]:
+def request_prefix_keys(request: EngineRequest, loads: list[ReplicaLoad], settings: RouterSettings) -> list[int]:
     """The routing keys of ``request``'s full prompt blocks, in the chain its engine will cache them
     under (its adapter's root, salted by its ``cache_salt``); none when that chain cannot be named."""
-    adapter, salt = request.get("lora"), request.get("cache_salt")
-    root = _adapter_root(loads, adapter if isinstance(adapter, str) else None)
+    salt = request.cache_salt
+    root = _adapter_root(loads, request.lora)
     if root is None or not settings.max_prefix_blocks:
         return []
     try:
         root = salted_root(root, salt) if salt is not None else root
-        return prefix_routing_keys(request["prompt_token_ids"], _block_size(loads, settings.block_size),
+        return prefix_routing_keys(request.prompt_token_ids, _block_size(loads, settings.block_size),
                                    max_blocks=settings.max_prefix_blocks, root=root)
     except ValueError:  # ids (or a salt) no engine accepts: route on load, the replica rejects the request
         return []

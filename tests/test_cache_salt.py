@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from deployments.contract import EngineRequest
 from engine import LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.kv.hashing import MAX_CACHE_SALT_CHARS, ROOT_HASH, prefix_routing_keys, salted_root
@@ -40,6 +41,10 @@ def test_a_salted_prompt_shares_cached_blocks_only_with_its_own_salt(engine):
     engine.block_manager.check_invariants()
 
 
+def _routed(salt: str | None) -> EngineRequest:
+    return EngineRequest(request_id="r", prompt_token_ids=SHARED, params=SamplingParams(), cache_salt=salt)
+
+
 def test_the_router_looks_a_salted_prompt_up_in_the_engines_chain(engine):
     _run(engine, "tenant-a", 1)
     digest = set(engine.prefix_digest(100))
@@ -47,13 +52,13 @@ def test_the_router_looks_a_salted_prompt_up_in_the_engines_chain(engine):
                                         "kv_blocks_used": 0, "kv_blocks_total": 64, "block_size": 8,
                                         "updated_at": 0.0})
     settings = RouterSettings()
-    salted = request_prefix_keys({"prompt_token_ids": SHARED, "cache_salt": "tenant-a"}, [load], settings)
+    salted = request_prefix_keys(_routed("tenant-a"), [load], settings)
     assert len(salted) == 4 and set(salted) <= digest
     assert salted == prefix_routing_keys(SHARED, 8, root=salted_root(ROOT_HASH, "tenant-a"))
-    for other in ({"prompt_token_ids": SHARED}, {"prompt_token_ids": SHARED, "cache_salt": "tenant-b"}):
+    for other in (_routed(None), _routed("tenant-b")):
         keys = request_prefix_keys(other, [load], settings)
         assert len(keys) == 4 and not set(keys) & digest
-    assert request_prefix_keys({"prompt_token_ids": SHARED, "cache_salt": ""}, [load], settings) == []
+    assert request_prefix_keys(_routed(""), [load], settings) == []
 
 
 @pytest.mark.parametrize("salt", ["", "s" * (MAX_CACHE_SALT_CHARS + 1), 7, b"bytes"])

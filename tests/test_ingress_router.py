@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from deployments.contract import EngineRequest
+from engine.sampling import SamplingParams
 from tests.test_router_ray import PROMPT, _router, _stats
 
 
@@ -36,6 +38,6 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
         client.attach("app#engine", router)
         (load,) = await client.replica_loads()
         assert (load["replica_id"], load["running"], load["healthy"]) == ("r0", 3, True)
-        assert client.choose({"request_id": "q", "prompt_token_ids": PROMPT}, frozenset()) is None  # no link
+        assert client.choose(EngineRequest(request_id="q", prompt_token_ids=PROMPT, params=SamplingParams()), frozenset()) is None  # no link
 
     asyncio.run(main())

@@ -11,7 +11,9 @@ import asyncio
 import pickle
 
 import pytest
+from msgspec.structs import replace
 
+from deployments.contract import EngineRequest
 from deployments.contract import EngineMessage
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
@@ -35,8 +37,7 @@ def _replicas(token: str, n: int = 1) -> list[EngineReplica]:
 
 
 def _request(i: int, max_tokens: int = 12) -> dict:
-    return {"request_id": f"r{i}", "prompt_token_ids": [1 + i, 2, 3],
-            "params": SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)}
+    return EngineRequest(request_id=f"r{i}", prompt_token_ids=[1 + i, 2, 3], params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
 
 
 class RoundRobin:
@@ -120,7 +121,7 @@ def test_closing_a_stream_aborts_its_request_over_the_link():
 def test_one_choice_is_aborted_over_the_link_and_the_others_go_on():
     async def main():
         reps, _, client = await _linked(1)
-        request = {**_request(0), "params": SamplingParams(max_tokens=LONG, ignore_eos=True, n=3)}
+        request = replace(_request(0), params=SamplingParams(max_tokens=LONG, ignore_eos=True, n=3))
         stream = client.generate(request)
         first = await stream.__anext__()
         stream.abort(1)

@@ -8,6 +8,7 @@ import pickle
 import socket
 
 import msgspec
+from msgspec.structs import asdict
 import pytest
 
 import deployments.link as link
@@ -51,7 +52,7 @@ def test_an_abort_read_together_with_its_submit_ends_the_request_before_it_runs(
         (rep,) = _replicas(token)
         await asyncio.sleep(0)
         reader, writer = await _raw_ingress(rep, token)
-        request = {**_request(0, max_tokens=LONG), "ingress_id": "raw"}
+        request = {**asdict(_request(0, max_tokens=LONG)), "ingress_id": "raw"}
         writer.write(frame(Submit(request)) + frame(Abort("r0")))  # one segment: one read
         mine, _ = await _until_final(reader, "r0")
         assert [item[1].finish_reason for item in mine] == ["abort"]
@@ -103,12 +104,12 @@ def test_a_newer_link_of_the_same_ingress_ends_the_stale_one_and_its_requests():
         (rep,) = _replicas(token)
         await asyncio.sleep(0)
         old_reader, old_writer = await _raw_ingress(rep, token, "ingress-a")
-        old_writer.write(frame(Submit({**_request(0, max_tokens=LONG), "ingress_id": "ingress-a"})))
+        old_writer.write(frame(Submit({**asdict(_request(0, max_tokens=LONG)), "ingress_id": "ingress-a"})))
         await wait_load(rep, 1)
         # The ingress gave the old connection up (its node's network broke) without the replica
         # hearing of it, and connects again: the old request must not be adopted and run on.
         reader, writer = await _raw_ingress(rep, token, "ingress-a")
-        writer.write(frame(Submit({**_request(1), "ingress_id": "ingress-a"})))
+        writer.write(frame(Submit({**asdict(_request(1)), "ingress_id": "ingress-a"})))
         mine, others = await _until_final(reader, "r1")
         assert mine[-1][1].finish_reason == "length"
         assert others == []  # the stale link's request is not adopted by the new one

@@ -15,9 +15,11 @@ import struct
 from pathlib import Path
 
 import msgspec
+from msgspec.structs import asdict
 import pytest
 
 import deployments.link as link
+from deployments.contract import EngineRequest
 from deployments.link import new_token
 from deployments.link_client import LinkEngineClient
 from deployments.link_wire import (MAC_BYTES, NONCE_BYTES, Hello, Submit, decode_ingress_frame, frame, mac,
@@ -48,7 +50,7 @@ async def _handshake(reader, writer, token: str) -> None:
 
 
 def _submit_with(**changes) -> bytes:
-    request = {**_request(0), "ingress_id": "hostile", **changes}
+    request = {**asdict(_request(0)), "ingress_id": "hostile", **changes}
     return frame(Submit(request))
 
 
@@ -58,7 +60,7 @@ PAST_HANDSHAKE = {
     "a frame longer than the limit": lambda marker: struct.pack("!I", 1 << 31) + b"\0" * 64,
     "a second hello": lambda marker: frame(Hello("again")),
     "a submit that names no request": lambda marker: frame(Submit({
-        key: value for key, value in _request(0).items() if key != "request_id"})),
+        key: value for key, value in asdict(_request(0)).items() if key != "request_id"})),
 }
 
 REFUSED = {  # a request the replica cannot take, and the field its error must name
@@ -141,13 +143,11 @@ def test_a_peer_without_the_token_is_refused_before_any_frame_is_read(case, tmp_
 
 
 def test_a_submit_arrives_as_the_request_the_ingress_sent():
-    from router.policy import ROUTING_NOTE
-
-    sent = {**_request(3), "ingress_id": "i", "priority": 2, "attempt": 1, "resume_token_ids": [7, 8],
+    sent = {**asdict(_request(3)), "ingress_id": "i", "priority": 2, "attempt": 1, "resume_token_ids": [7, 8],
             "trace_context": {"traceparent": "00-ab-cd-01"}, "operation": "chat", "cache_salt": "tenant-a",
-            "tenant": "team-a", "tenant_weight": 2.5, ROUTING_NOTE: {"reason": "prefix", "time_ns": 5}}
+            "tenant": "team-a", "tenant_weight": 2.5, "routing": {"reason": "prefix", "time_ns": 5}}
     key, got = decode_ingress_frame(frame(Submit(sent))[4:]).take()
-    assert key == "r3~1" and got == sent  # the router's note included, under the key the replica's tracing reads
+    assert key == "r3~1" and got == EngineRequest(**sent)  # the router's note included
 
 
 def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
@@ -155,9 +155,9 @@ def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
     from deployments.contract import EngineMessage
     from engine.outputs import RequestTiming, StreamOutput
 
-    sent = {**_request(4), "ingress_id": "i", "resume_choices": {1: [5, 6], 2: []}}
+    sent = {**asdict(_request(4)), "ingress_id": "i", "resume_choices": {1: [5, 6], 2: []}}
     _, got = decode_ingress_frame(frame(Submit(sent))[4:]).take()
-    assert got["resume_choices"] == {1: [5, 6], 2: []}
+    assert got.resume_choices == {1: [5, 6], 2: []}
     out = StreamOutput("r", [9], finished=True, finish_reason="stop", new_logprobs=[{9: -0.5, 3: -1.0}],
                        num_prompt_tokens=3, num_output_tokens=1,
                        timing=RequestTiming(arrival_time=0.0, first_scheduled_time=0.25), index=2,
@@ -202,9 +202,9 @@ def test_a_submit_the_replica_cannot_take_fails_alone_and_its_link_serves_on(cas
         await asyncio.sleep(0)
         reader, writer = await _connect(rep)
         await _handshake(reader, writer, token)
-        busy = frame(Submit({**_request(0, max_tokens=40), "ingress_id": "hostile"}))
+        busy = frame(Submit({**asdict(_request(0, max_tokens=40)), "ingress_id": "hostile"}))
         # a field this replica does not know (a newer ingress's, in a rolling update) is ignored
-        after = frame(Submit({**_request(2), "ingress_id": "hostile", "a_newer_field": {"x": 1}}))
+        after = frame(Submit({**asdict(_request(2)), "ingress_id": "hostile", "a_newer_field": {"x": 1}}))
         writer.write(busy + _submit_with(request_id="bad", **changes) + after)  # one read
         items = await _finals(reader, {"r0", "bad", "r2"})
         (refused,) = items["bad"]
@@ -212,7 +212,7 @@ def test_a_submit_the_replica_cannot_take_fails_alone_and_its_link_serves_on(cas
         for key, want in (("r0", 40), ("r2", 12)):
             assert sum(len(item[1].token_ids) for item in items[key]) == want
             assert items[key][-1][1].finish_reason == "length"
-        writer.write(frame(Submit({**_request(3), "ingress_id": "hostile"})))  # the link is still open
+        writer.write(frame(Submit({**asdict(_request(3)), "ingress_id": "hostile"})))  # the link is still open
         assert sum(len(item[1].token_ids) for item in (await _finals(reader, {"r3"}))["r3"]) == 12
         writer.close()
         stats = rep.engine.stats()
@@ -235,7 +235,7 @@ def test_an_ingress_of_another_link_version_is_served(hello):
         answer = await reader.readexactly(NONCE_BYTES + MAC_BYTES)
         key = bytes.fromhex(token)
         writer.write(mac(key, b"ingress", nonce, answer[:NONCE_BYTES]) + frame(hello))
-        writer.write(frame(Submit({**_request(0), "ingress_id": hello["ingress_id"]})))
+        writer.write(frame(Submit({**asdict(_request(0)), "ingress_id": hello["ingress_id"]})))
         items = (await _finals(reader, {"r0"}))["r0"]
         assert sum(len(item[1].token_ids) for item in items) == 12
         writer.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from msgspec.structs import replace
 
 import deployments.link_client as link_client
 from deployments.contract import EngineMessage
@@ -16,7 +17,7 @@ from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
 from deployments.link import new_token
 from deployments.link_client import LinkEngineClient
-from deployments.link_wire import outputs, wire_id
+from deployments.link_wire import outputs
 from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
 from tests.serving_helpers import run, wait_idle, wait_load
@@ -119,12 +120,12 @@ def test_a_resumed_attempt_never_hears_an_error_left_over_from_its_first():
     """The first attempt's error can still come on the link when the resumed one (same request id,
     next attempt) streams from the same replica: it belongs to the first one only."""
     async def main():
-        resumed = {**_request(0), "attempt": 1}
+        resumed = replace(_request(0), attempt=1)
         client, _ = _hand_fed(("r0", None, Unavailable("the first attempt's link broke")),
-                              (wire_id(resumed), _message([5, 6], "length", running=0), None))
+                              (resumed.wire_id, _message([5, 6], "length", running=0), None))
         stream = _registered(client, resumed)
         assert [m.token_ids async for m in stream] == [[5, 6]]
-        assert wire_id(resumed) != wire_id(_request(0)) == "r0"
+        assert resumed.wire_id != _request(0).wire_id == "r0"
     run(main())
 
 
@@ -162,13 +163,13 @@ def test_choices_are_merged_apart_and_the_stream_ends_with_the_last_choice():
 def test_n_over_a_link_and_a_resume_of_the_running_choices():
     async def main():
         reps, _, client = await _linked(2)
-        request = {**_request(5), "params": SamplingParams(max_tokens=12, ignore_eos=True, n=3)}
+        request = replace(_request(5), params=SamplingParams(max_tokens=12, ignore_eos=True, n=3))
         whole = {}
-        async for m in client.generate(dict(request)):
+        async for m in client.generate(request):
             whole.setdefault(m.index, []).extend(m.token_ids)
         resumed = {}
-        async for m in client.generate({**request, "request_id": "again",
-                                        "resume_choices": {1: whole[1][:4], 2: whole[2][:9]}}):
+        async for m in client.generate(replace(request, request_id="again",
+                                        resume_choices={1: whole[1][:4], 2: whole[2][:9]})):
             resumed.setdefault(m.index, []).extend(m.token_ids)
         await _shutdown(reps)
         return whole, resumed

@@ -11,6 +11,7 @@ import asyncio
 import grpc
 import pytest
 
+from deployments.contract import EngineRequest
 from engine import LLM, SamplingParams
 from engine.errors import UnknownAdapterError
 from tests.factories import make_lora_dir
@@ -153,8 +154,7 @@ def test_load_at_run_time_over_http_then_a_new_replica_reads_it_on_demand(tiny_m
                 gone = await http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"})
                 after = await http.post("/v1/completions", json=body)
             # An ingress that has not polled since still sends the directory: the replica refuses it.
-            stale = {"request_id": "stale", "prompt_token_ids": [5, 6], "params": SamplingParams(max_tokens=2),
-                     "lora": "gamma", "lora_path": str(adapters_dir / "gamma")}
+            stale = EngineRequest(request_id="stale", prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=2), lora="gamma", lora_path=str(adapters_dir / "gamma"))
             with pytest.raises(UnknownAdapterError, match="'gamma' was unloaded"):
                 [m async for m in later.generate(stale)]
             return refused, loaded, again, served, models, on_both, off, gone, after

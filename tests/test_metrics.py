@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deployments.contract import EngineRequest
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
                                 Unauthenticated, Unavailable)
@@ -148,12 +149,11 @@ def test_replica_records_what_it_served():
                                 FakeAsyncEngine, drain_timeout_s=1, metrics=rec)
         asked = [3, 5, 8]
         for i, n in enumerate(asked):
-            request = {"request_id": f"r{i}", "prompt_token_ids": [1, 2, 3],
-                       "params": SamplingParams(max_tokens=n, ignore_eos=True)}
+            request = EngineRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=n, ignore_eos=True))
             got = [m async for m in replica.generate(request)]
             assert sum(len(m.token_ids) for m in got) == n
             assert [m.queue_time_s is not None for m in got] == [True] + [False] * (len(got) - 1)  # on the first only
-        gen = replica.generate({"request_id": "gone", "prompt_token_ids": [1], "params": SamplingParams(max_tokens=50)})
+        gen = replica.generate(EngineRequest(request_id="gone", prompt_token_ids=[1], params=SamplingParams(max_tokens=50)))
         await gen.__anext__()
         await gen.aclose()  # the client went away mid-stream
         replica.publish_metrics()

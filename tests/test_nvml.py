@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+from deployments.contract import EngineRequest
 from deployments.metrics import METRICS
 from deployments.nvml import GpuMonitor
 from deployments.replica import EngineReplica
@@ -120,7 +121,7 @@ def test_no_gpu_of_its_own_is_one_log_line_and_no_metric(with_nvml, caplog, nvml
 
 def _serve_one(replica: EngineReplica) -> None:
     async def main():
-        request = {"request_id": "r", "prompt_token_ids": [3, 4, 5], "params": SamplingParams(max_tokens=2)}
+        request = EngineRequest(request_id="r", prompt_token_ids=[3, 4, 5], params=SamplingParams(max_tokens=2))
         assert [m async for m in replica.generate(request)][-1].finish_reason == "length"
         replica.publish_metrics()
         await replica.shutdown()

@@ -164,11 +164,11 @@ def test_a_resumed_request_does_not_score_its_prompt_again():
     from deployments.requests import PreparedRequest
 
     req = PreparedRequest("r", (1, 2, 3), SamplingParams(prompt_logprobs=2, n=2))
-    assert req.engine_request()["params"].prompt_logprobs == 2
-    assert req.engine_request(resume_choices={0: [], 1: []})["params"].prompt_logprobs == 2  # none came yet
-    assert req.engine_request(resume_choices={1: [4]})["params"].prompt_logprobs is None
+    assert req.engine_request().params.prompt_logprobs == 2
+    assert req.engine_request(resume_choices={0: [], 1: []}).params.prompt_logprobs == 2  # none came yet
+    assert req.engine_request(resume_choices={1: [4]}).params.prompt_logprobs is None
     single = PreparedRequest("s", (1, 2, 3), SamplingParams(prompt_logprobs=2))
-    assert single.engine_request(resume_token_ids=[4, 5])["params"].prompt_logprobs is None
+    assert single.engine_request(resume_token_ids=[4, 5]).params.prompt_logprobs is None
 
 
 def test_a_step_scores_at_most_max_scored_tokens_and_the_gpu_profile_counts_them(model, monkeypatch):

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from deployments.contract import EngineRequest
 from deployments.replica import EngineReplica
 from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
@@ -18,8 +19,7 @@ ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4, "block_size": 
 
 
 def _request(rid: str, max_tokens: int) -> dict:
-    return {"request_id": rid, "prompt_token_ids": [5, 6, 7, 8], "priority": 0,
-            "params": SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)}
+    return EngineRequest(request_id=rid, prompt_token_ids=[5, 6, 7, 8], priority=0, params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
 async def _collect(gen) -> list[dict]:

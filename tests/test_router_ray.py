@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from deployments.contract import EngineRequest
+from engine.sampling import SamplingParams
 from engine.kv.hashing import prefix_routing_keys
 from router.autoscale import autoscaling_config
 
@@ -62,6 +64,10 @@ def _stats(running, prefix=(), updated_at=None):
             "healthy": True, "updated_at": time.time() if updated_at is None else updated_at}
 
 
+def _req(prompt, request_id="q", **fields) -> EngineRequest:
+    return EngineRequest(request_id=request_id, prompt_token_ids=prompt, params=SamplingParams(), **fields)
+
+
 def _choose(router, replicas, args, request_id="q", call_method="generate"):
     """(ranked replica ids, the PendingRequest) for one call of choose_replicas."""
     import asyncio
@@ -84,11 +90,11 @@ def test_adapter_ranks_from_routing_stats_and_asks_for_backoff():
     replicas = [SimpleNamespace(replica_id="busy", routing_stats=_stats(8)),
                 SimpleNamespace(replica_id="cached", routing_stats=_stats(8, prefix_routing_keys(PROMPT, BS))),
                 SimpleNamespace(replica_id="new", routing_stats={})]
-    ranks, pending = _choose(_router(), replicas, [{"prompt_token_ids": PROMPT}])
+    ranks, pending = _choose(_router(), replicas, [_req(PROMPT)])
     assert ranks == [["cached"], ["busy"], ["new"]]
     assert pending.routing_context.should_backoff
     # Ids no engine accepts cannot be hashed: routed on load alone (the replica rejects them).
-    ranks, _ = _choose(_router(), replicas, [{"prompt_token_ids": [-1] * 8 + PROMPT}])
+    ranks, _ = _choose(_router(), replicas, [_req([-1] * 8 + PROMPT)])
     assert sorted(sum(ranks, [])) == ["busy", "cached", "new"] and ranks[-1] == ["new"]
 
 
@@ -101,7 +107,7 @@ def test_adapter_prefers_the_replica_holding_the_lora_unless_affinity_is_off(aff
 
     replicas = [SimpleNamespace(replica_id="idle", routing_stats=lora_stats(0, [])),
                 SimpleNamespace(replica_id="holds-sql", routing_stats=lora_stats(2, ["sql"]))]
-    ranks, _ = _choose(_router(lora_affinity=affinity), replicas, [{"prompt_token_ids": PROMPT, "lora": "sql"}])
+    ranks, _ = _choose(_router(lora_affinity=affinity), replicas, [_req(PROMPT, lora="sql")])
     assert ranks[0] == (["holds-sql"] if affinity else ["idle"])
     from router.request_router import request_router_config
 
@@ -117,7 +123,7 @@ def test_adapter_spreads_a_burst_within_one_stats_period():
                 for i in range(3)]
     sent = {"r0": [], "r1": [], "r2": []}
     for i in range(30):
-        ranks, pending = _choose(router, replicas, [{"prompt_token_ids": OTHER_PROMPT}], request_id=f"q{i}")
+        ranks, pending = _choose(router, replicas, [_req(OTHER_PROMPT)], request_id=f"q{i}")
         first = ranks[0][0]
         router.on_request_routed(pending, first, None)
         sent[first].append(f"q{i}")
@@ -146,7 +152,7 @@ def test_a_choice_counts_before_serve_reports_the_routing():
     router = _router()
     replicas = [SimpleNamespace(replica_id="r0", routing_stats=_stats(0, updated_at=time.time() - 0.1)),
                 SimpleNamespace(replica_id="r1", routing_stats=_stats(1, updated_at=time.time() - 0.1))]
-    chosen = [_choose(router, replicas, [{"prompt_token_ids": OTHER_PROMPT}], request_id=f"q{i}")
+    chosen = [_choose(router, replicas, [_req(OTHER_PROMPT)], request_id=f"q{i}")
               for i in range(6)]
     running = [router._load_of(r).running for r in replicas]
     assert sum(running) == 7 and abs(running[0] - running[1]) <= 1, running
@@ -165,7 +171,7 @@ def test_submitted_requests_count_until_their_streams_end():
     replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=_stats(0, updated_at=time.time() - 0.1))
                 for i in range(2)]
     for i in range(4):
-        request = {"prompt_token_ids": OTHER_PROMPT, "request_id": f"linked-{i}"}
+        request = EngineRequest(prompt_token_ids=OTHER_PROMPT, request_id=f"linked-{i}", params=SamplingParams())
         ranks, pending = _choose(router, replicas, [request], request_id=f"call{i}", call_method="link_address")
         router.on_request_routed(pending, ranks[0][0], None)
         router.on_request_completed(ranks[0][0], f"call{i}")  # the call returned
@@ -188,7 +194,7 @@ def test_calls_without_a_prompt_take_no_slot():
     assert [router._load_of(r).running for r in replicas] == [0, 0]
     counts = {"r0": 0, "r1": 0}
     for i in range(16):
-        ranks, pending = _choose(router, replicas, [{"prompt_token_ids": OTHER_PROMPT}], request_id=f"gen{i}")
+        ranks, pending = _choose(router, replicas, [_req(OTHER_PROMPT)], request_id=f"gen{i}")
         router.on_request_routed(pending, ranks[0][0], None)
         counts[ranks[0][0]] += 1
     assert counts == {"r0": 8, "r1": 8}
@@ -230,17 +236,17 @@ def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
     asyncio.run(updates())
     assert attached == {"app#engine": router}
     found = attached["app#engine"]
-    request = {"request_id": "l0", "prompt_token_ids": PROMPT}
+    request = EngineRequest(request_id="l0", prompt_token_ids=PROMPT, params=SamplingParams())
     assert found.choose_for_link(request) == ("cached", "10.0.0.1:4000")
-    assert request["routing"]["reason"] == "prefix"  # noted for the replica's trace, as Serve's calls are
+    assert request.routing["reason"] == "prefix"  # noted for the replica's trace, as Serve's calls are
     # A burst without a shared prefix spreads over the linked replicas, counting its own sends.
-    chosen = [found.choose_for_link({"request_id": f"l{i}", "prompt_token_ids": OTHER_PROMPT})[0]
+    chosen = [found.choose_for_link(EngineRequest(request_id=f"l{i}", prompt_token_ids=OTHER_PROMPT, params=SamplingParams()))[0]
               for i in range(1, 17)]
     assert chosen.count("idle") == 12 and chosen.count("cached") == 4  # 8 + 4 = 0 + 12
     # A replica the ingress could not reach is passed over; none left: Serve's way.
-    assert found.choose_for_link({"request_id": "y", "prompt_token_ids": PROMPT},
+    assert found.choose_for_link(EngineRequest(request_id="y", prompt_token_ids=PROMPT, params=SamplingParams()),
                                  avoid=frozenset({"cached"}))[0] == "idle"
-    assert found.choose_for_link({"request_id": "z", "prompt_token_ids": PROMPT},
+    assert found.choose_for_link(EngineRequest(request_id="z", prompt_token_ids=PROMPT, params=SamplingParams()),
                                  avoid=frozenset({"cached", "idle"})) is None
     # The ingress's loads are the stats the router polled: a quiet or stat-less replica is not healthy.
     replicas[1].routing_stats["updated_at"] = time.time() - 60
@@ -249,8 +255,8 @@ def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
     assert stats["cached"]["link"] == "10.0.0.1:4000" and stats["cached"]["running"] == 8
 
 
-@pytest.mark.parametrize("args", [[], [None], ["text"], [{"prompt": "x"}], [{"prompt_token_ids": "abc"}]])
-def test_requests_without_token_ids_get_no_prefix(args):
+@pytest.mark.parametrize("args", [[], [None], ["text"], [{"prompt": "x"}], [{"prompt_token_ids": [1, 2, 3]}]])
+def test_calls_without_an_engine_request_get_no_prefix(args):
     from types import SimpleNamespace
 
     from router.request_router import prompt_token_ids
@@ -352,8 +358,7 @@ def _wait_for_stats(tally, replicas, timeout_s=20.0):
 
 
 def _send(handle, prompt, n):
-    return [handle.generate.remote({"request_id": f"r{i}", "prompt_token_ids": prompt, "sampling": {},
-                                    "priority": 0, "trace_context": {}}).result(timeout_s=30) for i in range(n)]
+    return [handle.generate.remote(_req(prompt, request_id=f"r{i}")).result(timeout_s=30) for i in range(n)]
 
 
 @pytest.mark.ray

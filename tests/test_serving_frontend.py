@@ -13,8 +13,10 @@ import json
 
 import grpc
 import pytest
+from msgspec.structs import replace
 from grpc_health.v1 import health_pb2
 
+from deployments.contract import EngineRequest
 from deployments.errors import BadRequest, DeadlineExceeded, ModelNotFound, Overloaded, Unauthenticated
 from deployments.grpc_service import SlotServeGrpcMixin
 from deployments.openai_api import build_openai_app
@@ -188,7 +190,7 @@ def test_replica_contracts(tokenizer):
         assert set(auto) >= {"slot_occupancy", "waiting"} and all(type(v) is float for v in auto.values())
         # what the engine hands over at once goes out as one message (the fake engine's outputs hold
         # every token since its consumer last looked)
-        request = {"request_id": "r", "prompt_token_ids": [1, 2, 3], "params": _params(40), "priority": 0}
+        request = EngineRequest(request_id="r", prompt_token_ids=[1, 2, 3], params=_params(40), priority=0)
         stream = rep.generate(request)
         first = await stream.__anext__()
         # The consumer looks away until the engine has produced everything: one message holds it all.
@@ -206,14 +208,14 @@ def test_replica_contracts(tokenizer):
 def test_replica_drains_before_shutdown(tokenizer):
     async def main():
         _, (rep,) = make_frontend(tokenizer, step_delay_s=0.01)
-        request = {"request_id": "r", "prompt_token_ids": [1, 2], "params": _params(20), "priority": 0}
+        request = EngineRequest(request_id="r", prompt_token_ids=[1, 2], params=_params(20), priority=0)
         consumer = asyncio.ensure_future(_collect(rep.generate(request)))
         await wait_load(rep, running=1)
         await rep.shutdown()  # waits for the running request
         messages = await consumer
         assert messages[-1].finish_reason == "length"
         with pytest.raises(EngineDeadError, match="shutting down"):
-            await rep.generate({**request, "request_id": "late"}).__anext__()
+            await rep.generate(replace(request, request_id="late")).__anext__()
     run(main())
 
 

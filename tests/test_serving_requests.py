@@ -117,10 +117,10 @@ def test_engine_request_carries_token_ids_only():
     params = SamplingParams(stop=["END"], include_stop_str_in_output=True, max_tokens=5)
     context = {"traceparent": "00-ab-cd-01", "tracestate": "vendor=1"}
     req = PreparedRequest("r1", (1, 2, 3), params, priority=2, trace_context=context).engine_request()
-    assert req["prompt_token_ids"] == [1, 2, 3] and req["priority"] == 2 and req["trace_context"] == context
-    assert req["params"].stop == () and req["params"].max_tokens == 5 and "cache_salt" not in req
+    assert req.prompt_token_ids == [1, 2, 3] and req.priority == 2 and req.trace_context == context
+    assert req.params.stop == () and req.params.max_tokens == 5 and req.cache_salt is None
     salted = PreparedRequest("r2", (1, 2, 3), params, cache_salt="tenant-a").engine_request()
-    assert salted["cache_salt"] == "tenant-a"
+    assert salted.cache_salt == "tenant-a"
 
 
 # -- OpenAI bodies -----------------------------------------------------------------------

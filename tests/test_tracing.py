@@ -22,6 +22,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from deployments.contract import EngineRequest
+from engine.sampling import SamplingParams
 from deployments.errors import BadRequest
 from deployments.openai_api import build_openai_app
 from deployments.proto_gen.slotserve.v1 import slotserve_pb2 as pb
@@ -320,11 +322,10 @@ def test_a_tenants_request_names_it_on_its_spans_even_when_refused(tokenizer):
 def test_the_slot_aware_router_notes_its_decision_in_the_request():
     from types import SimpleNamespace
 
-    from router.policy import ROUTING_NOTE
     from router.request_router import note_decision
 
-    request = {"request_id": "r", "prompt_token_ids": [1, 2, 3]}
+    request = EngineRequest(request_id="r", prompt_token_ids=[1, 2, 3], params=SamplingParams())
     note_decision(SimpleNamespace(args=[request]), "prefix")
-    assert request[ROUTING_NOTE]["reason"] == "prefix" and request[ROUTING_NOTE]["time_ns"] > 0
+    assert request.routing["reason"] == "prefix" and request.routing["time_ns"] > 0
     note_decision(SimpleNamespace(args=["not a request dict"]), "load")  # other calls: left alone
     note_decision(None, "load")
