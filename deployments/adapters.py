@@ -28,7 +28,7 @@ class Adapters:
         adapters: dict[str, str | None] = dict.fromkeys(self.configured)
         if self._engine is not None:
             for load in await self._engine.replica_loads():
-                for name, path in (load.get("lora_paths") or {}).items():
+                for name, path in load.lora_paths.items():
                     adapters.setdefault(name, path)
         return adapters
 

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping, Sequence
 
+from router.policy import RoutingStats
+
 logger = logging.getLogger(__name__)
 
 
@@ -122,7 +124,7 @@ class Admission:
 
     REFRESH_S = 1.0
 
-    def __init__(self, loads: Callable[[], Awaitable[list[dict]]] | None, ingress_replicas: int = 1) -> None:
+    def __init__(self, loads: Callable[[], Awaitable[list[RoutingStats]]] | None, ingress_replicas: int = 1) -> None:
         self._loads = loads
         self._share = max(1, ingress_replicas)
         self._capacity: Capacity | None = None
@@ -155,9 +157,9 @@ class Admission:
             loads = await self._loads()
         except Exception:  # noqa: BLE001 - no report this time: keep the last limit
             return
-        healthy = [r for r in loads if r.get("healthy")]
-        running = sum(r.get("max_num_seqs", 0) for r in healthy)
-        total = running + sum(r.get("max_waiting", 0) for r in healthy)
+        healthy = [r for r in loads if r.healthy]
+        running = sum(r.max_num_seqs for r in healthy)
+        total = running + sum(r.max_waiting for r in healthy)
         limit = -(-total // self._share)
         running = min(-(-running // self._share), limit)
         self._capacity = Capacity(running, limit - running) if total else None
@@ -213,13 +215,14 @@ PUBLIC_LOAD_FIELDS = ("replica_id", "healthy", "running", "waiting", "max_num_se
 replica. The rest is for routers only: engine-link addresses, adapters' paths on disk, prefix hashes."""
 
 
-def summarize_load(replicas: list[dict]) -> dict:
-    replicas = [{**{k: r[k] for k in PUBLIC_LOAD_FIELDS if k in r},
-                 "num_prefix_hashes": len(r.get("prefix_hashes") or ())} for r in replicas]
-    total = sum(r.get("max_num_seqs", 0) for r in replicas)
-    running = sum(r.get("running", 0) for r in replicas)
-    kv_total = sum(r.get("kv_blocks_total", 0) for r in replicas)
-    kv_used = sum(r.get("kv_blocks_used", 0) for r in replicas)
-    return {"replicas": replicas, "total_slots": total, "free_slots": sum(r.get("free_slots", 0) for r in replicas),
-            "running": running, "waiting": sum(r.get("waiting", 0) for r in replicas),
+def summarize_load(replicas: list[RoutingStats]) -> dict:
+    """The load report (JSON): each replica's public fields and the totals."""
+    total = sum(r.max_num_seqs for r in replicas)
+    running = sum(r.running for r in replicas)
+    kv_total = sum(r.kv_blocks_total for r in replicas)
+    kv_used = sum(r.kv_blocks_used for r in replicas)
+    return {"replicas": [{**{k: getattr(r, k) for k in PUBLIC_LOAD_FIELDS}, "num_prefix_hashes": len(r.prefix_hashes)}
+                         for r in replicas],
+            "total_slots": total, "free_slots": sum(r.free_slots for r in replicas), "running": running,
+            "waiting": sum(r.waiting for r in replicas),
             "occupancy": running / total if total else 0.0, "kv_usage": kv_used / kv_total if kv_total else 0.0}

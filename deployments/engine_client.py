@@ -13,6 +13,7 @@ import time
 from typing import AsyncIterator, Protocol, Sequence
 
 from deployments.contract import EngineMessage, EngineRequest
+from router.policy import RoutingStats
 
 
 class EngineStream(Protocol):
@@ -36,8 +37,8 @@ class EngineClient(Protocol):
     async def model_info(self) -> dict:
         """``EngineReplica.model_info()`` of any replica (they all serve the same model)."""
 
-    async def replica_loads(self) -> list[dict]:
-        """``EngineReplica.record_routing_stats()`` of every replica."""
+    async def replica_loads(self) -> list[RoutingStats]:
+        """``EngineReplica.routing_stats()`` of every replica."""
 
     async def abort(self, request_id: str) -> bool:
         """Abort the request on whichever replica runs it; False if none does."""
@@ -101,5 +102,5 @@ class LocalEngineClient:
             await replica.manage_lora({"lora_name": name, "lora_path": path})
         return len(self._replicas)
 
-    async def replica_loads(self) -> list[dict]:
-        return [replica.record_routing_stats() for replica in self._replicas]
+    async def replica_loads(self) -> list[RoutingStats]:
+        return [replica.routing_stats() for replica in self._replicas]

@@ -341,7 +341,7 @@ class Frontend:
             loads = await self._engine.replica_loads()
         except Exception:  # noqa: BLE001 - no load report: do not retry blind
             return False
-        return any(r.get("healthy") and r.get("free_slots", 0) > 0 for r in loads)
+        return any(r.healthy and r.free_slots > 0 for r in loads)
 
     async def generate_all(self, req: PreparedRequest) -> tuple[str, list[TextDelta]]:
         """The whole output at once (non-streaming APIs)."""

@@ -18,12 +18,14 @@ from typing import Protocol
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.contract import EngineRequest
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.grpc_service import SlotServeGrpcMixin
 from deployments.link import LinkTls
 from deployments.link_client import LinkEngineClient
 from deployments.openai_api import build_openai_app
 from deployments.replica import show_engine_log
+from router.policy import RoutingStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +35,13 @@ ENGINE_DEPLOYMENT = "EngineReplica"
 class LinkRouter(Protocol):
     """What the ingress asks of ``router.request_router.SlotAwareRequestRouter``."""
 
-    def choose_for_link(self, request: dict, avoid: frozenset = frozenset()) -> "tuple[str, str] | None":
+    def choose_for_link(self, request: EngineRequest, avoid: frozenset = frozenset()) -> "tuple[str, str] | None":
         """``(replica_id, link address)`` for ``request``, not one in ``avoid``; counted as sent."""
 
     def request_finished(self, request_id: str) -> None:
         """A request sent with ``choose_for_link`` ended: it takes no slot any more."""
 
-    def replica_stats(self) -> list[dict]:
+    def replica_stats(self) -> list[RoutingStats]:
         """The routing stats of every running replica, as last polled (``healthy: False`` when none yet)."""
 
 
@@ -61,7 +63,7 @@ class HandleEngineClient:
     async def model_info(self) -> dict:
         return await self._handle.model_info.remote()
 
-    async def replica_loads(self) -> list[dict]:
+    async def replica_loads(self) -> list[RoutingStats]:
         """Every replica's routing stats, as this process's router last polled them; none before
         Serve has made that router, which a handle's first call does (started here, not awaited:
         it waits for a replica, and a health check asking for loads must not)."""
@@ -80,16 +82,16 @@ class HandleEngineClient:
         # never matched to the replica chosen for it and hangs.
         done = 0
         for stats in await self.replica_loads():
-            await self._handle.manage_lora.remote({"replica_id": stats["replica_id"], "lora_name": name,
+            await self._handle.manage_lora.remote({"replica_id": stats.replica_id, "lora_name": name,
                                                    "lora_path": path})
             done += 1
         return done
 
-    async def link_address(self, request: dict) -> tuple[str, str]:
+    async def link_address(self, request: EngineRequest) -> tuple[str, str]:
         """A replica for ``request`` and its link address, routed (and queued) by Serve."""
         return await self._handle.link_address.remote(request)
 
-    def choose(self, request: dict, avoid: frozenset) -> tuple[str, str] | None:
+    def choose(self, request: EngineRequest, avoid: frozenset) -> tuple[str, str] | None:
         router = self._router
         return router.choose_for_link(request, avoid) if router is not None else None
 

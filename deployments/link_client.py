@@ -24,6 +24,7 @@ from deployments.contract import EngineMessage, EngineRequest, coalesce
 from deployments.errors import Unavailable
 from deployments.link_wire import (LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, ReloadingTls,
                                    Submit, frame, keepalive, link_keys, mac, proven_key, read_outputs)
+from router.policy import RoutingStats
 
 CONNECT_TIMEOUT_S = 5.0
 ABORT_REPLY_S = 10.0
@@ -279,7 +280,7 @@ class LinkEngineClient:
     async def model_info(self) -> dict:
         return await self._serve.model_info()
 
-    async def replica_loads(self) -> list[dict]:
+    async def replica_loads(self) -> list[RoutingStats]:
         return await self._serve.replica_loads()
 
     async def manage_lora(self, name: str, path: str | None) -> int:
@@ -297,8 +298,7 @@ class LinkEngineClient:
         that has routed nothing yet has no such view: it waits for one, up to ``ABORT_REPLY_S``."""
         deadline = time.monotonic() + ABORT_REPLY_S
         while True:
-            replicas = [(s["replica_id"], s["link"]) for s in await self._serve.replica_loads()
-                        if isinstance(s.get("link"), str)]
+            replicas = [(s.replica_id, s.link) for s in await self._serve.replica_loads() if s.link is not None]
             if replicas or time.monotonic() > deadline:
                 return replicas
             await asyncio.sleep(0.1)

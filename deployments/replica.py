@@ -9,7 +9,7 @@ calls on it:
 
 - ``link_address(request)``: which replica takes a request, for an ingress whose router has
   not heard from any replica yet (routed and queued by Serve; the request then comes over the link).
-- ``record_routing_stats()``: the routing contract read by ``router/`` (see below).
+- ``record_routing_stats()``: its ``router.policy.RoutingStats``, which the routers read.
 - ``record_autoscaling_stats()``: ``slot_occupancy``, ``waiting`` and ``max_num_seqs`` for
   the autoscaler (router.autoscale).
 - ``check_health()``: raises when the engine loop is dead or stuck; Serve replaces us.
@@ -41,6 +41,7 @@ from engine.errors import EngineDeadError, UnknownAdapterError
 from engine.kv.hashing import PREFIX_DIGEST_ENTRIES
 from engine.outputs import StreamOutput
 from engine.pooling import pooling_of
+from router.policy import RoutingStats
 
 logger = logging.getLogger(__name__)
 serve_log = logging.getLogger("ray.serve")
@@ -223,26 +224,28 @@ class EngineReplica:
             return False
         return self._accepting
 
-    def record_routing_stats(self) -> dict:
-        """The routing contract (keys the router relies on), plus a few for GetLoad."""
+    def routing_stats(self) -> RoutingStats:
+        """What routers rank by, and the ingress's admission and load reports read."""
         s = self._engine.stats()
         # Streams this replica has taken that the engine has not counted yet (still in its
         # inbox): without them a burst looks like an empty replica and piles onto it.
         arriving = max(0, len(self._active) - s.running - s.waiting)
-        return {"free_slots": max(0, s.free_slots - arriving), "running": s.running, "waiting": s.waiting + arriving,
-                "max_num_seqs": s.max_num_seqs, "max_waiting": self._engine.config.scheduler.max_waiting,
-                "kv_blocks_used": s.kv_blocks_used,
-                "kv_blocks_total": s.kv_blocks_total, "block_size": s.block_size,
-                "prefix_hashes": list(self._engine.prefix_digest(PREFIX_DIGEST_ENTRIES)),
-                "healthy": self.healthy(), "updated_at": time.time(),
-                **({"link": self._link.address, "link_requests": self._link.requests}
-                   if self._link_started is not None else {}),
-                **({"lora_loaded": list(s.lora_loaded), "lora_roots": s.lora_roots, "lora_paths": s.lora_paths,
-                    "lora_loads": s.lora_loads, "lora_evictions": s.lora_evictions} if s.max_loras else {}),
-                # not read by the router; reported by GetLoad
-                "replica_id": self.replica_id, "kv_usage": s.kv_usage, "slot_occupancy": s.slot_occupancy,
-                "num_finished": s.num_finished, "prefix_cache_hits": s.prefix_cache_hits,
-                "prefix_cache_queries": s.prefix_cache_queries}
+        linked = self._link_started is not None
+        return RoutingStats(
+            free_slots=max(0, s.free_slots - arriving), running=s.running, waiting=s.waiting + arriving,
+            max_num_seqs=s.max_num_seqs, max_waiting=self._engine.config.scheduler.max_waiting,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total, block_size=s.block_size,
+            prefix_hashes=list(self._engine.prefix_digest(PREFIX_DIGEST_ENTRIES)), healthy=self.healthy(),
+            updated_at=time.time(), replica_id=self.replica_id,
+            link=self._link.address if linked else None, link_requests=self._link.requests if linked else 0,
+            lora_loaded=list(s.lora_loaded), lora_roots=dict(s.lora_roots), lora_paths=dict(s.lora_paths),
+            lora_loads=s.lora_loads, lora_evictions=s.lora_evictions, kv_usage=s.kv_usage,
+            slot_occupancy=s.slot_occupancy, num_finished=s.num_finished, prefix_cache_hits=s.prefix_cache_hits,
+            prefix_cache_queries=s.prefix_cache_queries)
+
+    def record_routing_stats(self) -> dict:
+        """``routing_stats`` for Serve, which polls it for the routers (a plain dict on that path)."""
+        return self.routing_stats().as_dict()
 
     async def manage_lora(self, request: dict) -> dict:
         """Load LoRA adapter ``lora_name`` from ``lora_path``, or unload it when the path is None (a

@@ -4,17 +4,10 @@ No ray and no engine imports: the request's block routing keys come in already c
 (``engine.kv.hashing.prefix_routing_keys``), so the whole policy is unit-tested
 without a cluster. ``router.request_router`` feeds it from Ray Serve.
 
-Each replica publishes routing stats (``record_routing_stats``), a dict of:
-
-    free_slots, running, waiting, max_num_seqs,       ints >= 0 (max_num_seqs >= 1)
-    kv_blocks_used, kv_blocks_total, block_size,      ints >= 0 (block_size >= 1)
-    prefix_hashes: list[int]                          routing keys of recently cached full blocks
-    healthy: bool, updated_at: float                  time.time() at the replica
-    lora_loaded: list[str]                            optional: LoRA adapters in its device slots
-    lora_roots: dict[str, str]                        optional: adapter -> prefix-cache root (hex)
-
-Stats that are missing, malformed or older than ``stale_after_s`` make a replica
-"unknown": the router knows nothing about its load and falls back to random choice.
+Each replica publishes its ``RoutingStats`` (Serve polls ``record_routing_stats``, which hands
+them over as a plain dict, so routers of another release still read them). Stats that are missing,
+malformed or older than ``stale_after_s`` make a replica "unknown": the router knows nothing
+about its load and falls back to random choice.
 """
 
 from __future__ import annotations
@@ -23,7 +16,9 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from typing import Annotated, Any, Hashable, Iterable, Mapping, Sequence
+
+import msgspec
 
 from engine.kv.hashing import PREFIX_DIGEST_ENTRIES
 
@@ -31,16 +26,72 @@ DEFAULT_LOAD_SLACK = 0.25
 ROUTING_DECISIONS_METRIC = "slotserve_routing_decisions"
 """Counter recorded by ``router.request_router``, label ``reason``: one of ``ROUTING_REASONS``."""
 ROUTING_REASONS = ("prefix", "lora", "load", "fallback")
-_INT_FIELDS = ("free_slots", "running", "waiting", "max_num_seqs", "kv_blocks_used", "kv_blocks_total",
-               "block_size")
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class RoutingStats(msgspec.Struct, kw_only=True):
+    """One replica's load as it publishes it: what routers rank by, and what the ingress's admission,
+    readiness and load reports (``/load``, ``GetLoad``) read."""
+
+    free_slots: Count
+    running: Count
+    waiting: Count
+    """Waiting in its engine, and taken by the replica but not yet counted there."""
+    max_num_seqs: Positive
+    kv_blocks_used: Count
+    kv_blocks_total: Count
+    block_size: Positive
+    updated_at: float
+    """``time.time()`` at the replica when taken."""
+    healthy: bool = True
+    replica_id: str = ""
+    max_waiting: Count = 0
+    prefix_hashes: list[int] = []
+    """Routing keys of recently cached full blocks (``engine.kv.hashing.prefix_routing_keys``)."""
+    link: str | None = None
+    """Its engine link's address (``deployments.link``); None before the link listens."""
+    link_requests: Count = 0
+    lora_loaded: list[str] = []
+    """LoRA adapters in its device slots."""
+    lora_roots: dict[str, str] = {}
+    """Adapter -> the root of its prefix-cache hash chain (hex)."""
+    lora_paths: dict[str, str] = {}
+    """Adapter -> its directory: where a replica lacking it loads it from."""
+    lora_loads: Count = 0
+    lora_evictions: Count = 0
+    kv_usage: float = 0.0
+    slot_occupancy: float = 0.0
+    num_finished: Count = 0
+    prefix_cache_hits: Count = 0
+    prefix_cache_queries: Count = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.updated_at):
+            raise ValueError(f"updated_at must be a time.time() value, got {self.updated_at!r}")
+
+    @classmethod
+    def unknown(cls, replica_id: str) -> "RoutingStats":
+        """A replica that published nothing usable yet: no load known, not healthy."""
+        return cls(free_slots=0, running=0, waiting=0, max_num_seqs=0, kv_blocks_used=0, kv_blocks_total=0,
+                   block_size=0, updated_at=0.0, healthy=False, replica_id=replica_id)
+
+    @classmethod
+    def parse(cls, stats: Any) -> "RoutingStats":
+        """From what Serve delivers (a dict); msgspec.ValidationError names what is wrong."""
+        return stats if isinstance(stats, cls) else msgspec.convert(stats, cls)
+
+    def as_dict(self) -> dict[str, Any]:
+        """For Serve's ``record_routing_stats``."""
+        return msgspec.structs.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -67,34 +118,16 @@ class ReplicaLoad:
     """Adapter -> the root of its prefix-cache hash chain (hex): an adapter request's prefix keys."""
 
     @classmethod
-    def from_stats(cls, replica_id: Hashable, stats: Mapping[str, Any] | None) -> ReplicaLoad:
+    def from_stats(cls, replica_id: Hashable, stats: Any) -> ReplicaLoad:
         """Parse a replica's routing stats; never raises (a bad replica must not stop routing)."""
-        if not stats:
-            return cls(replica_id, problem="no stats yet")
-        if not isinstance(stats, Mapping):
-            return cls(replica_id, problem=f"stats are a {type(stats).__name__}, not a dict")
-        values: dict[str, Any] = {}
-        for name in _INT_FIELDS:
-            v = stats.get(name)
-            if not _is_int(v) or v < 0:
-                return cls(replica_id, problem=f"{name} must be an integer >= 0, got {v!r}")
-            values[name] = v
-        if values["max_num_seqs"] < 1 or values["block_size"] < 1:
-            return cls(replica_id, problem="max_num_seqs and block_size must be >= 1")
-        updated_at = stats.get("updated_at")
-        if not _is_number(updated_at):
-            return cls(replica_id, problem=f"updated_at must be a time.time() value, got {updated_at!r}")
-        hashes = stats.get("prefix_hashes") or ()
-        if not isinstance(hashes, (list, tuple, set, frozenset)):
-            return cls(replica_id, problem=f"prefix_hashes must be a list of ints, got {type(hashes).__name__}")
-        healthy = stats.get("healthy", True)
-        loaded, roots = stats.get("lora_loaded") or (), stats.get("lora_roots") or {}
-        if not isinstance(loaded, (list, tuple)) or not all(isinstance(n, str) for n in loaded):
-            return cls(replica_id, problem=f"lora_loaded must be a list of adapter names, got {loaded!r:.80}")
-        if not isinstance(roots, Mapping) or not all(isinstance(v, str) for v in roots.values()):
-            return cls(replica_id, problem=f"lora_roots must map adapter names to hex digests, got {roots!r:.80}")
-        return cls(replica_id, known=True, prefix_hashes=frozenset(hashes), healthy=healthy is True,
-                   updated_at=float(updated_at), lora_loaded=frozenset(loaded), lora_roots=roots, **values)
+        return read_stats(replica_id, stats)[1]
+
+    @classmethod
+    def of(cls, replica_id: Hashable, s: RoutingStats) -> ReplicaLoad:
+        return cls(replica_id, known=True, free_slots=s.free_slots, running=s.running, waiting=s.waiting,
+                   max_num_seqs=s.max_num_seqs, kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
+                   block_size=s.block_size, prefix_hashes=frozenset(s.prefix_hashes), healthy=s.healthy,
+                   updated_at=s.updated_at, lora_loaded=frozenset(s.lora_loaded), lora_roots=s.lora_roots)
 
     @property
     def kv_blocks_free(self) -> int:
@@ -138,6 +171,17 @@ class ReplicaLoad:
         if n <= 0:
             return self
         return replace(self, running=self.running + n, free_slots=max(self.free_slots - n, 0))
+
+
+def read_stats(replica_id: Hashable, stats: Any) -> tuple[RoutingStats | None, ReplicaLoad]:
+    """What a replica published, parsed (None when there is nothing usable) and as a load."""
+    if not stats:
+        return None, ReplicaLoad(replica_id, problem="no stats yet")
+    try:
+        parsed = RoutingStats.parse(stats)
+    except msgspec.ValidationError as exc:
+        return None, ReplicaLoad(replica_id, problem=str(exc))
+    return parsed, ReplicaLoad.of(replica_id, parsed)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 from ray.serve import get_replica_context, metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
@@ -26,8 +27,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from deployments.contract import EngineRequest
 from engine.kv.hashing import ROOT_HASH, prefix_routing_keys, salted_root
-from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_REASONS, Ranking, ReplicaLoad,
-                           RouterSettings, rank_replicas)
+from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_REASONS, Ranking, ReplicaLoad, RouterSettings,
+                           RoutingStats, rank_replicas, read_stats)
 
 logger = logging.getLogger("ray.serve")
 
@@ -103,7 +104,7 @@ class SlotAwareRequestRouter(RequestRouter):
         self._settings = RouterSettings()
         self._rng = random.Random()
         # Parsed stats per replica, reused until Serve delivers a new stats dict.
-        self._parsed: dict[ReplicaID, tuple[Any, ReplicaLoad]] = {}
+        self._parsed: dict[ReplicaID, tuple[Any, tuple[RoutingStats | None, ReplicaLoad]]] = {}
         # Requests this router sent, per replica: internal id -> time sent. Those sent after
         # a replica's stats were taken are added to its load, so a burst arriving within one
         # stats period spreads out instead of piling onto the replica that looked emptiest.
@@ -177,8 +178,9 @@ class SlotAwareRequestRouter(RequestRouter):
         id not in ``avoid``, and its address; None when there is none. Counted as sent, like a
         request Serve routes."""
         with self._lock:
-            linked = [r for r in self._live if r.replica_id.unique_id not in avoid
-                      and isinstance(r.routing_stats, Mapping) and isinstance(r.routing_stats.get("link"), str)]
+            links = {r.replica_id: self._parse(r)[0] for r in self._live if r.replica_id.unique_id not in avoid}
+            links = {rid: stats.link for rid, stats in links.items() if stats is not None and stats.link is not None}
+            linked = [r for r in self._live if r.replica_id in links]
             if not linked:
                 return None
             ranking, loads = self._rank(linked, request)
@@ -186,7 +188,7 @@ class SlotAwareRequestRouter(RequestRouter):
                 return None
             best = min(ranking.ranks[0], key=lambda rid: (loads[rid].load, self._rng.random()))
             self._count_sent(request.request_id, best)
-        return best.unique_id, next(r for r in linked if r.replica_id == best).routing_stats["link"]
+        return best.unique_id, links[best]
 
     def request_finished(self, request_id: str) -> None:
         """A linked request's stream ended in the ingress: it takes no slot any more."""
@@ -194,20 +196,15 @@ class SlotAwareRequestRouter(RequestRouter):
             for sent in self._sent.values():
                 sent.pop(request_id, None)
 
-    def replica_stats(self) -> list[dict]:
+    def replica_stats(self) -> list[RoutingStats]:
         """Every running replica's routing stats as last polled: the ingress's loads (admission,
-        GetLoad, readiness) without a call of its own."""
+        GetLoad, readiness) without a call of its own. A quiet or stat-less replica is not healthy."""
         with self._lock:
-            live = list(self._live)
+            polled = [(r.replica_id.unique_id, self._parse(r)[0]) for r in self._live]
         stale = time.time() - self._settings.stale_after_s
-        out = []
-        for replica in live:
-            stats = replica.routing_stats if isinstance(replica.routing_stats, Mapping) else {}
-            updated = stats.get("updated_at")
-            fresh = isinstance(updated, (int, float)) and updated > stale  # gone quiet: not counted as serving
-            out.append({**stats, "replica_id": replica.replica_id.unique_id,
-                        "healthy": bool(stats.get("healthy")) and fresh})
-        return out
+        return [RoutingStats.unknown(rid) if stats is None else
+                msgspec.structs.replace(stats, replica_id=rid, healthy=stats.healthy and stats.updated_at > stale)
+                for rid, stats in polled]
 
     def _record_decision(self, reason: str) -> None:
         # One per routing attempt: a request Serve re-routes (all ranks refused) counts again.
@@ -273,15 +270,19 @@ class SlotAwareRequestRouter(RequestRouter):
             attach(f"{deployment.app_name}#{deployment.name}", self)
         self._attach_done = True
 
-    def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
-        stats = replica.routing_stats
+    def _parse(self, replica: RunningReplica) -> tuple[RoutingStats | None, ReplicaLoad]:
+        """Its stats as Serve last polled them, parsed once per poll (with ``_lock`` held)."""
+        raw = replica.routing_stats
         cached = self._parsed.get(replica.replica_id)
-        if cached is not None and cached[0] is stats:
-            load = cached[1]
-        else:
-            load = ReplicaLoad.from_stats(replica.replica_id, stats)
-            self._parsed[replica.replica_id] = (stats, load)
-            self._report_problem(replica.replica_id, load)
+        if cached is not None and cached[0] is raw:
+            return cached[1]
+        parsed = read_stats(replica.replica_id, raw)
+        self._parsed[replica.replica_id] = (raw, parsed)
+        self._report_problem(replica.replica_id, parsed[1])
+        return parsed
+
+    def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
+        load = self._parse(replica)[1]
         sent = self._sent.get(replica.replica_id)
         if not sent or not load.known:
             return load

@@ -13,6 +13,9 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
     import asyncio
     from types import SimpleNamespace
 
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.request_router import ReplicaID
+
     from deployments.ingress import HandleEngineClient
 
     class Handle:  # a deployment handle whose calls wait: no replica is up yet
@@ -32,12 +35,13 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
         await asyncio.sleep(0)
         assert handle.calls == 1  # one call under way starts the router, not one per ask
         router = _router()
-        router._live = [SimpleNamespace(replica_id=SimpleNamespace(unique_id="r0"), routing_stats=_stats(3))]
+        rid = ReplicaID(unique_id="r0", deployment_id=DeploymentID(name="engine", app_name="app"))
+        router._live = [SimpleNamespace(replica_id=rid, routing_stats=_stats(3))]
         client.attach("app#other", router)  # another deployment's router: not this client's
         assert await client.replica_loads() == []
         client.attach("app#engine", router)
         (load,) = await client.replica_loads()
-        assert (load["replica_id"], load["running"], load["healthy"]) == ("r0", 3, True)
+        assert (load.replica_id, load.running, load.healthy) == ("r0", 3, True)
         assert client.choose(EngineRequest(request_id="q", prompt_token_ids=PROMPT, params=SamplingParams()), frozenset()) is None  # no link
 
     asyncio.run(main())

@@ -218,7 +218,8 @@ def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
 
     replicas = [replica("cached", _stats(8, prefix_routing_keys(PROMPT, BS), stale), {"link": "10.0.0.1:4000"}),
                 replica("idle", _stats(0, updated_at=stale), {"link": "10.0.0.2:4000"}),
-                replica("no-link", _stats(0, updated_at=stale), {})]  # not serving links (yet)
+                replica("no-link", _stats(0, updated_at=stale), {}),  # not serving links (yet)
+                replica("malformed", {"running": -1}, {"link": "10.0.0.3:4000"})]  # never routed to
     attached = {}
     ingress = SimpleNamespace(attach_link_router=lambda deployment, r: attached.update({deployment: r}))
     context = SimpleNamespace(servable_object=None)  # Serve's replica context while the constructor runs
@@ -249,10 +250,11 @@ def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
     assert found.choose_for_link(EngineRequest(request_id="z", prompt_token_ids=PROMPT, params=SamplingParams()),
                                  avoid=frozenset({"cached", "idle"})) is None
     # The ingress's loads are the stats the router polled: a quiet or stat-less replica is not healthy.
-    replicas[1].routing_stats["updated_at"] = time.time() - 60
-    stats = {s["replica_id"]: s for s in found.replica_stats()}
-    assert [stats[r]["healthy"] for r in ("cached", "idle", "no-link")] == [True, False, True]
-    assert stats["cached"]["link"] == "10.0.0.1:4000" and stats["cached"]["running"] == 8
+    replicas[1].routing_stats = {**replicas[1].routing_stats, "updated_at": time.time() - 60}  # a new poll
+    stats = {s.replica_id: s for s in found.replica_stats()}
+    assert [stats[r].healthy for r in ("cached", "idle", "no-link", "malformed")] == [True, False, True, False]
+    assert stats["cached"].link == "10.0.0.1:4000" and stats["cached"].running == 8 and stats["no-link"].link is None
+    assert stats["malformed"].max_num_seqs == 0  # known to the ingress, counted for nothing
 
 
 @pytest.mark.parametrize("args", [[], [None], ["text"], [{"prompt": "x"}], [{"prompt_token_ids": [1, 2, 3]}]])

@@ -380,13 +380,17 @@ def test_a_load_report_tells_no_caller_what_only_routers_need():
     """/load (JSON) and GetLoad (protobuf) carry the same public fields: no engine-link address (a
     socket a peer holding the link token could reach), no adapter path on disk, no prefix hash."""
     from deployments.admission import PUBLIC_LOAD_FIELDS, summarize_load
+    from router.policy import RoutingStats
     from deployments.grpc_service import load_to_proto
 
     assert set(PUBLIC_LOAD_FIELDS) == {f.name for f in pb.ReplicaLoad.DESCRIPTOR.fields}
-    replica = {"replica_id": "r1", "healthy": True, "running": 2, "max_num_seqs": 4, "free_slots": 2,
-               "link": "10.0.0.7:41234", "link_requests": 9, "lora_paths": {"sql": "/adapters/sql"},
-               "lora_roots": {"sql": "ab" * 32}, "lora_loaded": ["sql"], "prefix_hashes": [1, 2, 3]}
-    (public,) = summarize_load([replica])["replicas"]
-    assert public == {"replica_id": "r1", "healthy": True, "running": 2, "max_num_seqs": 4, "free_slots": 2,
-                      "lora_loaded": ["sql"], "num_prefix_hashes": 3}
+    replica = RoutingStats(replica_id="r1", healthy=True, running=2, waiting=0, max_num_seqs=4, free_slots=2,
+                           kv_blocks_used=1, kv_blocks_total=8, block_size=16, updated_at=5.0,
+                           link="10.0.0.7:41234", link_requests=9, lora_paths={"sql": "/adapters/sql"},
+                           lora_roots={"sql": "ab" * 32}, lora_loaded=["sql"], prefix_hashes=[1, 2, 3])
+    summary = summarize_load([replica])
+    (public,) = summary["replicas"]
+    assert set(public) == {*PUBLIC_LOAD_FIELDS, "num_prefix_hashes"}
+    assert (public["replica_id"], public["running"], public["free_slots"], public["num_prefix_hashes"]) == ("r1", 2, 2, 3)
+    assert not any(secret in repr(summary) for secret in ("10.0.0.7", "/adapters/sql", "ab" * 32))
     assert load_to_proto(summarize_load([replica])).replicas[0].lora_loaded == ["sql"]
