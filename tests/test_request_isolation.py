@@ -15,6 +15,7 @@ from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unauthenticated
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.requests import GenerateInput
+from router.policy import RoutingStats
 from tests.serving_helpers import make_frontend, run, wait_idle, wait_load
 
 
@@ -129,18 +130,22 @@ def test_streams_past_the_engines_capacity_are_refused_at_the_door(tokenizer, mo
     run(main())
 
 
+def _stats(healthy: bool, max_num_seqs: int, max_waiting: int) -> RoutingStats:
+    return RoutingStats(free_slots=max_num_seqs, running=0, waiting=0, max_num_seqs=max_num_seqs, kv_blocks_used=0,
+                        kv_blocks_total=64, block_size=16, updated_at=0.0, healthy=healthy, max_waiting=max_waiting)
+
+
 def test_each_ingress_admits_its_share():
     from deployments.admission import Admission
 
     async def loads():
-        return [{"healthy": True, "max_num_seqs": 8, "max_waiting": 4}, {"healthy": False, "max_num_seqs": 8},
-                {"healthy": True, "max_num_seqs": 8, "max_waiting": 4}]
+        return [_stats(True, 8, 4), _stats(False, 8, 0), _stats(True, 8, 4)]
 
     assert asyncio.run(Admission(loads, ingress_replicas=3).limit()) == 8   # ceil(24 / 3)
     assert asyncio.run(Admission(loads).limit()) == 24
 
     async def none():
-        return [{"healthy": False}]
+        return [RoutingStats.unknown("r0")]
 
     assert asyncio.run(Admission(none).limit()) is None  # nothing known: refuse nothing
 
@@ -154,7 +159,7 @@ def test_a_known_limit_is_refreshed_without_holding_the_request(monkeypatch):
     async def loads():
         if release is not None:
             await release.wait()  # a slow report: replicas busy, GCS far away
-        return [{"healthy": True, "max_num_seqs": capacity[0], "max_waiting": 0}]
+        return [_stats(True, capacity[0], 0)]
 
     async def main():
         nonlocal release

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from deployments.contract import EngineMessage
 from deployments.textstream import TextAssembler
 from engine import LLM, SamplingParams
 
@@ -21,7 +22,8 @@ def _served(tokenizer, params, token_ids, per_message):
     text, ids, finish = "", [], None
     for i in range(0, len(token_ids), per_message):
         last = i + per_message >= len(token_ids)
-        delta = asm.push({"token_ids": token_ids[i:i + per_message], "finish_reason": "length" if last else None})
+        chunk = token_ids[i:i + per_message]
+        delta = asm.push(EngineMessage(chunk, "length" if last else None, None, 3, i + len(chunk), 0))
         text, ids, finish = text + delta.text, ids + list(delta.token_ids), delta.finish_reason
         if finish:
             break
