@@ -3,8 +3,8 @@
 One class serves both protocols: Serve's gRPC proxy calls the RPC-named methods
 (``grpc_service.SlotServeGrpcMixin``), its HTTP proxy the FastAPI app built at replica
 start (``__serve_build_asgi_app__``). Requests reach engine replicas over engine links
-(deployments.link), to the replica the slot-aware router Serve runs in this process picks (it
-attaches itself here: ``attach_link_router``), which also gives the replicas' loads; a
+(deployments.link), to the replica the slot-aware router Serve runs in this process picks (found
+in ``router.registry``), which also gives the replicas' loads; a
 DeploymentHandle of the EngineReplica deployment carries the rest (model info, LoRA loads, and
 which replica takes an ingress's first requests, before its router has heard from any).
 """
@@ -25,6 +25,7 @@ from deployments.link import LinkTls
 from deployments.link_client import LinkEngineClient
 from deployments.openai_api import build_openai_app
 from deployments.replica import show_engine_log
+from router import registry
 from router.policy import RoutingStats
 
 logger = logging.getLogger(__name__)
@@ -47,18 +48,16 @@ class LinkRouter(Protocol):
 
 class HandleEngineClient:
     """What goes through Serve (``link_client.LinkEngineClient``'s ``serve``), and what the router
-    Serve runs in this process knows, once it has attached itself (``attach``)."""
+    Serve runs in this process knows, once Serve has built it (``router.registry``)."""
 
     def __init__(self, handle: DeploymentHandle, deployment: str) -> None:
         self._handle = handle
         self._deployment = deployment  # "<app>#<name>"
         self._first_call: asyncio.Future | None = None
-        self._router: LinkRouter | None = None
 
-    def attach(self, deployment: str, router: LinkRouter) -> None:
-        """Called by the engine deployment's router once it runs in this process (from its own thread)."""
-        if deployment == self._deployment:
-            self._router = router
+    @property
+    def _router(self) -> LinkRouter | None:
+        return registry.find(self._deployment)
 
     async def model_info(self) -> dict:
         return await self._handle.model_info.remote()
@@ -115,13 +114,7 @@ class RouterIngress(SlotServeGrpcMixin):
         client = LinkEngineClient(serve_side, link_token, serve_side.choose, tls=link_tls,
                                   on_done=serve_side.request_finished)
         self.frontend = Frontend(frontend_config, tokenizer, client)
-        self._serve_side = serve_side
         self._max_body_bytes = max_body_bytes
-
-    def attach_link_router(self, deployment: str, router: LinkRouter) -> None:
-        """The slot-aware router Serve made in this process for ``deployment`` ("<app>#<name>") hands
-        itself over (router.request_router): requests are then routed here, over engine links."""
-        self._serve_side.attach(deployment, router)
 
     def __serve_build_asgi_app__(self):
         return build_openai_app(self.frontend, self._max_body_bytes)

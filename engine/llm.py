@@ -61,13 +61,14 @@ class LLM:
         if len(adapters) != len(prompts):
             raise InvalidRequestError(f"lora has {len(adapters)} entries for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
-        for (_, ids), params, prio, name in zip(encoded, params_list, prios, adapters):  # reject before scheduling
-            self.engine.check_request(ids, params, prio)
+        checked = []  # every request is checked before any is scheduled, and only then
+        for (_, ids), params, prio, name in zip(encoded, params_list, prios, adapters):
+            checked.append(self.engine.check_request(ids, params, prio))
             if name is not None:
                 self.engine.adapter(name)
         trackers: dict[str, list[_TextTracker]] = {}
         todo = []
-        for (text, ids), params, prio, name in zip(encoded, params_list, prios, adapters):
+        for ids, params, prio, name in zip(checked, params_list, prios, adapters):
             rid = f"offline-{self._counter}"
             self._counter += 1
             trackers[rid] = [_TextTracker(i, params, self.tokenizer) for i in range(params.n)]
@@ -116,7 +117,7 @@ class LLM:
         while todo:
             rid, ids, params, prio, name = todo[0]
             try:
-                self.engine.add_request(ids, params, rid, prio, lora=name)
+                self.engine.add_request(ids, params, rid, prio, lora=name, checked=True)
             except EngineOverloadedError:
                 if not self.engine.has_unfinished():
                     raise  # max_waiting=0: no finishing request will ever make room

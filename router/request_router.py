@@ -5,9 +5,9 @@ Serve builds one router per process that holds a handle to the engine deployment
 The ranking itself is ``router.policy.rank_replicas``; this module only turns Serve's
 objects into ``ReplicaLoad``s and back. Attach it with ``request_router_config()``.
 
-In an ingress replica the router also hands itself to the ingress (``attach_link_router``,
-deployments.ingress), which routes engine-link requests with it: the same loads and counts,
-without a Serve call per request.
+Each router registers itself in its process (``router.registry``): an ingress replica finds the
+one Serve built there for the engine deployment and routes engine-link requests with it (the
+same loads and counts, without a Serve call per request).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-from ray.serve import get_replica_context, metrics
+from ray.serve import metrics
 from ray.serve.config import RequestRouterConfig
-from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.contract import EngineRequest
 from engine.kv.hashing import ROOT_HASH, prefix_routing_keys, salted_root
+from router import registry
 from router.policy import (ROUTING_DECISIONS_METRIC, ROUTING_REASONS, Ranking, ReplicaLoad, RouterSettings,
                            RoutingStats, rank_replicas, read_stats)
 
@@ -57,6 +57,11 @@ def request_router_config(period_s: float = 0.5, **router_kwargs: Any) -> Reques
         request_router_kwargs=dict(router_kwargs),
         request_routing_stats_period_s=period_s,
     )
+
+
+def deployment_key(deployment_id: Any) -> str:
+    """``"<app>#<deployment>"``: how ``router.registry`` names a deployment's router."""
+    return f"{deployment_id.app_name}#{deployment_id.name}"
 
 
 def _first_arg(pending_request: PendingRequest | None) -> Any:
@@ -114,7 +119,7 @@ class SlotAwareRequestRouter(RequestRouter):
         self._decisions: metrics.Counter | None = None  # made once the settings are known (initialize_state)
         self._live: list[RunningReplica] = []
         self._lock = threading.Lock()
-        self._attach_done = False
+        registry.register(deployment_key(self._deployment_id), self)
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Receives ``request_router_kwargs``: the ``RouterSettings`` fields."""
@@ -138,7 +143,6 @@ class SlotAwareRequestRouter(RequestRouter):
             context.should_backoff = True
         if not candidate_replicas:
             return []
-        self._attach_to_ingress()
         target = pinned_replica(pending_request)
         if target is not None:
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
@@ -220,13 +224,11 @@ class SlotAwareRequestRouter(RequestRouter):
 
     @staticmethod
     def _sent_key(pending_request: PendingRequest) -> str:
-        if getattr(pending_request.metadata, "call_method", None) == "link_address":
-            # A linked request (deployments.link) is named by this call, which returns at once: counted
-            # until its stream ends in the ingress (request_finished) or the replica's stats include it.
-            request = _engine_request(pending_request)
-            if request is not None:
-                return request.request_id
-        return pending_request.metadata.internal_request_id
+        # A call that carries an EngineRequest (link_address) returns at once and the request goes
+        # over its engine link: counted under its id until its stream ends in the ingress
+        # (request_finished) or the replica's stats include it.
+        request = _engine_request(pending_request)
+        return request.request_id if request is not None else pending_request.metadata.internal_request_id
 
     def _count_sent(self, key: str, replica_id: ReplicaID) -> None:
         """Count the request on ``replica_id`` (and on no other: the first choice may have refused it)."""
@@ -249,26 +251,6 @@ class SlotAwareRequestRouter(RequestRouter):
             for table in (self._parsed, self._sent):
                 for rid in [rid for rid in table if rid not in live]:
                     del table[rid]
-        self._attach_to_ingress()
-
-    def _attach_to_ingress(self) -> None:
-        """Hand this router to the ingress replica it runs in, once. Tried on every replica update
-        and routed call: the ingress object exists only once its constructor has returned, and a
-        router in a process that serves no ingress (a driver, a proxy) has nothing to attach to."""
-        if self._attach_done:
-            return
-        try:
-            host = get_replica_context().servable_object  # None while the replica's constructor runs
-        except RayServeException:  # not in a replica: never anything to attach to
-            self._attach_done = True
-            return
-        if host is None:
-            return
-        attach = getattr(host, "attach_link_router", None)
-        if attach is not None:
-            deployment = self._deployment_id
-            attach(f"{deployment.app_name}#{deployment.name}", self)
-        self._attach_done = True
 
     def _parse(self, replica: RunningReplica) -> tuple[RoutingStats | None, ReplicaLoad]:
         """Its stats as Serve last polled them, parsed once per poll (with ``_lock`` held)."""

@@ -72,6 +72,19 @@ def test_overload_error_when_the_queue_is_full(engine):
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
+def test_offline_generate_checks_each_request_once_and_all_before_any_runs(tiny_model_dir, monkeypatch):
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=8, num_kv_blocks=64, max_waiting=1)
+    checked = []
+    check = llm.engine.check_request
+    monkeypatch.setattr(llm.engine, "check_request", lambda ids, *args: checked.append(list(ids)) or check(ids, *args))
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(4)]  # more than the queue holds at once
+    outs = llm.generate(prompts, GREEDY)
+    assert checked == [p["prompt_token_ids"] for p in prompts] and all(o.outputs[0].token_ids for o in outs)
+    with pytest.raises(InvalidRequestError):  # the last one is bad: none of them ran
+        llm.generate(prompts + [{"prompt_token_ids": [10**9]}], GREEDY)
+    assert not llm.engine.has_unfinished() and llm.engine.stats().num_finished == 4
+
+
 def test_abort_running_frees_blocks_before_next_step(engine):
     engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        request_id="long")

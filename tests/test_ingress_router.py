@@ -29,17 +29,16 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
 
     async def main():
         handle = Handle()
-        client = HandleEngineClient(handle, "app#engine")
+        client = HandleEngineClient(handle, "ingress-test#engine")
         assert await asyncio.wait_for(client.replica_loads(), 1) == []
         assert await asyncio.wait_for(client.replica_loads(), 1) == []
         await asyncio.sleep(0)
         assert handle.calls == 1  # one call under way starts the router, not one per ask
-        router = _router()
-        rid = ReplicaID(unique_id="r0", deployment_id=DeploymentID(name="engine", app_name="app"))
-        router._live = [SimpleNamespace(replica_id=rid, routing_stats=_stats(3))]
-        client.attach("app#other", router)  # another deployment's router: not this client's
+        _router(app_name="ingress-test", name="other")  # another deployment's router: not this client's
         assert await client.replica_loads() == []
-        client.attach("app#engine", router)
+        router = _router(app_name="ingress-test")  # Serve built this process's router for the engine
+        rid = ReplicaID(unique_id="r0", deployment_id=DeploymentID(name="engine", app_name="ingress-test"))
+        router._live = [SimpleNamespace(replica_id=rid, routing_stats=_stats(3))]
         (load,) = await client.replica_loads()
         assert (load.replica_id, load.running, load.healthy) == ("r0", 3, True)
         assert client.choose(EngineRequest(request_id="q", prompt_token_ids=PROMPT, params=SamplingParams()), frozenset()) is None  # no link
