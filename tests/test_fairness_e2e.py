@@ -118,8 +118,10 @@ def test_a_tenant_is_served_ahead_of_another_tenants_flood(service):
             seen[case] = [_overtaken(p, flood) for p in probes]
             _no_leaks(service)
     # Fair: a probe waits for a slot to turn over, or, once B's earlier probes put B's counter above
-    # A's, for an A request or two. First come, first served: behind most of A's queue.
-    assert statistics.median(seen["fair"]) <= 1 and max(seen["fair"]) <= SLOTS + 1, seen
+    # A's, for an A request or two. A's two running requests started in one step and end in one, so
+    # a turnover that comes while the probes are still on their way to the engine gives A both slots.
+    # First come, first served: behind most of A's queue.
+    assert statistics.median(seen["fair"]) <= SLOTS and max(seen["fair"]) <= SLOTS + 1, seen
     assert statistics.median(seen["fcfs"]) >= FLOOD - SLOTS - 6, seen
 
 
