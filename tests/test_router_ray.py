@@ -176,7 +176,7 @@ def test_submitted_requests_count_until_their_streams_end():
     replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=_stats(0, updated_at=time.time() - 0.1))
                 for i in range(2)]
     for i in range(4):
-        request = EngineRequest(prompt_token_ids=OTHER_PROMPT, request_id=f"linked-{i}", params=SamplingParams())
+        request = _req(OTHER_PROMPT, f"linked-{i}")
         ranks, pending = _choose(router, replicas, [request], request_id=f"call{i}", call_method="link_address")
         router.on_request_routed(pending, ranks[0][0], None)
         router.on_request_completed(ranks[0][0], f"call{i}")  # the call returned
@@ -233,18 +233,15 @@ def test_engine_links_route_in_the_ingress_with_the_same_loads_and_counts():
     asyncio.run(updates())
     found = registry.find("links-test#engine")
     assert found is router and registry.find("links-test#other") is None
-    request = EngineRequest(request_id="l0", prompt_token_ids=PROMPT, params=SamplingParams())
+    request = _req(PROMPT, "l0")
     assert found.choose_for_link(request) == ("cached", "10.0.0.1:4000")
     assert request.routing["reason"] == "prefix"  # noted for the replica's trace, as Serve's calls are
     # A burst without a shared prefix spreads over the linked replicas, counting its own sends.
-    chosen = [found.choose_for_link(EngineRequest(request_id=f"l{i}", prompt_token_ids=OTHER_PROMPT, params=SamplingParams()))[0]
-              for i in range(1, 17)]
+    chosen = [found.choose_for_link(_req(OTHER_PROMPT, f"l{i}"))[0] for i in range(1, 17)]
     assert chosen.count("idle") == 12 and chosen.count("cached") == 4  # 8 + 4 = 0 + 12
     # A replica the ingress could not reach is passed over; none left: Serve's way.
-    assert found.choose_for_link(EngineRequest(request_id="y", prompt_token_ids=PROMPT, params=SamplingParams()),
-                                 avoid=frozenset({"cached"}))[0] == "idle"
-    assert found.choose_for_link(EngineRequest(request_id="z", prompt_token_ids=PROMPT, params=SamplingParams()),
-                                 avoid=frozenset({"cached", "idle"})) is None
+    assert found.choose_for_link(_req(PROMPT, "y"), avoid=frozenset({"cached"}))[0] == "idle"
+    assert found.choose_for_link(_req(PROMPT, "z"), avoid=frozenset({"cached", "idle"})) is None
     # The ingress's loads are the stats the router polled: a quiet or stat-less replica is not healthy.
     replicas[1].routing_stats = {**replicas[1].routing_stats, "updated_at": time.time() - 60}  # a new poll
     stats = {s.replica_id: s for s in found.replica_stats()}
