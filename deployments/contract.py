@@ -2,10 +2,11 @@
 
 ``EngineRequest`` is made once by the ingress (``PreparedRequest.engine_request``), noted by the
 router that picks its replica, sent on the engine link as it is and read by the replica, which
-hands its fields to the engine. ``EngineMessage`` is one engine output of one request, as the replica makes it from the engine's
-``StreamOutput``, as the engine link carries it (msgspec encodes the struct as it is, and decodes
-into it and nothing else), and as the frontend's text assembler reads it. Wherever messages queue
-behind a slow reader, ``coalesce`` joins them with the one ``merge``.
+hands its fields to the engine. ``EngineMessage`` is one engine output of one request, as the
+replica makes it from the engine's ``StreamOutput``, as the engine link carries it (msgspec encodes
+the struct as it is, and decodes into it and nothing else), and as the frontend's text assembler
+reads it. Wherever messages queue behind a slow reader, ``coalesce`` joins them with the one
+``merge``.
 """
 
 from __future__ import annotations

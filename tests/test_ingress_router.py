@@ -41,6 +41,7 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
         router._live = [SimpleNamespace(replica_id=rid, routing_stats=_stats(3))]
         (load,) = await client.replica_loads()
         assert (load.replica_id, load.running, load.healthy) == ("r0", 3, True)
-        assert client.choose(EngineRequest(request_id="q", prompt_token_ids=PROMPT, params=SamplingParams()), frozenset()) is None  # no link
+        request = EngineRequest(request_id="q", prompt_token_ids=PROMPT, params=SamplingParams())
+        assert client.choose(request, frozenset()) is None  # no link
 
     asyncio.run(main())
