@@ -23,6 +23,15 @@ TYPE_MIXES = {
     # Q4_K, Q5_0 on the int8 kernel beside Q6_K and Q5_1 on the float32 one, a Q6_K head
     "k-quants": (dict(Q4_K_M, o_proj=Q.Q5_1), 256, Q.Q6_K),
 }
+FLOAT32_KERNEL = ("Q5_1", "Q6_K")
+
+
+@pytest.fixture(autouse=True)
+def _float32_kernel_for_some_types(monkeypatch):
+    """Every type has an int8 packing, but a tensor whose rows are no multiple of 16 (a vocabulary of
+    32001) keeps the float32 kernel beside int8 layers: here two types stand for such tensors."""
+    import engine.model.quant as quant
+    monkeypatch.setattr(quant, "INT8_TYPES", tuple(t for t in quant.INT8_TYPES if t not in FLOAT32_KERNEL))
 
 
 def _engine(tmp_path, mix: str, **options) -> LLM:

@@ -38,13 +38,14 @@ torch.save([ops.gguf_mm_packed(x, q, s, m, t, 1 << 16) for x, q, s, m, t in torc
 
 
 def _cases() -> list[tuple]:
-    """Packed weights of 4 groups of 16 columns and 3 blocks (random bytes are valid quants), against
-    every row count a tile of 4 (AVX2) or 8 (VNNI) leaves a remainder of."""
+    """Packed weights of 4 groups of 16 columns and 3 blocks (random bytes are valid quants, but for
+    Q5_1's five bits), against every row count a tile of 4 (AVX2) or 8 (VNNI) leaves a remainder of."""
     gen = torch.Generator().manual_seed(0)
     cases = []
-    for qtype, group_bytes in ((2, 256), (3, 256), (8, 512)):  # Q4_0, Q4_1, Q8_0
-        quants = torch.randint(0, 256, (4, 3 * group_bytes), dtype=torch.uint8, generator=gen)
-        scales = (torch.rand(4, 3 * 16, generator=gen) * 0.02).half()
+    # Q4_0, Q4_1 (nibbles), Q5_1, Q8_0 (bytes), Q6_K (bytes, a scale per 16 weights)
+    for qtype, group_bytes, halves in ((2, 256, 1), (3, 256, 1), (7, 512, 1), (8, 512, 1), (14, 512, 2)):
+        quants = torch.randint(0, 32 if qtype == 7 else 256, (4, 3 * group_bytes), dtype=torch.uint8, generator=gen)
+        scales = (torch.rand(4, 3 * 16 * halves, generator=gen) * 0.02).half()
         mins = (-torch.rand(4, 3 * 16, generator=gen) * 0.1).half()
         for rows in (1, 3, 4, 5, 8, 9, 17):
             cases.append((torch.randn(rows, 96, generator=gen), quants, scales, mins, qtype))

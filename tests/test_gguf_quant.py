@@ -98,27 +98,27 @@ def test_float32_kernel_matches_gguf_dequantize(qtype):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, *K_QUANTS], ids=lambda t: t.name)
 def test_int8_kernel_within_the_activations_rounding(qtype):
     """Each output differs from the exact product by at most what rounding the activations to int8 per
     block can move it: sum over blocks of half a step (amax / 127 / 2) times the block's |weights|.
-    Q4_K is packed as Q4_1 blocks, its scales rounded to float16: checked within that rounding, and the
-    bound taken over the packed values."""
+    Q4_K is packed as Q4_1 blocks and Q6_K with a scale per 16 weights, their scales rounded to float16:
+    checked within that rounding, and the bound taken over the packed values."""
     if not _int8_ready():
         pytest.skip("the int8 kernel needs AVX-512 VNNI")
     from engine.model.quant import KERNEL_TYPES, PACKED_AS, QUANT_MAX_ROWS, pack_int8
     ops = _ops()
     kernel_type = KERNEL_TYPES[PACKED_AS.get(qtype.name, qtype.name)][0]
     gen = torch.Generator().manual_seed(1)
-    # 2, 5 and 18 blocks; Q4_K: 8 and 24 sub-blocks (columns: groups of 16)
-    for n, k in ((96, 256), (32, 768)) if qtype == Q.Q4_K else ((96, 64), (48, 160), (32, 576)):
+    # 2, 5 and 18 blocks; k-quants: 8 and 24 sub-blocks (columns: groups of 16)
+    for n, k in ((96, 256), (32, 768)) if qtype in K_QUANTS else ((96, 64), (48, 160), (32, 576)):
         w = torch.randn(n, k, generator=gen).numpy()
         blocks = _quantize(w, qtype)
         exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
         packed = pack_int8(blocks, qtype.name, k)
         unpacked = ops.gguf_dequantize_packed(*packed, kernel_type, k)
-        # Q4_K: d sc and dmin m rounded to float16 (2^-11 of each); a layout slip would be off by whole steps.
-        atol = exact.abs().max().item() * 2.0 ** -10 if qtype == Q.Q4_K else 1e-6
+        # k-quants: d sc (and dmin m) rounded to float16 (2^-11 of each); a layout slip is off by whole steps.
+        atol = exact.abs().max().item() * 2.0 ** -10 if qtype in K_QUANTS else 1e-6
         torch.testing.assert_close(unpacked, exact, rtol=0, atol=atol)
         reference = unpacked.double()
         for rows in (1, 3, 8, 9, 17, QUANT_MAX_ROWS + 1):
@@ -230,32 +230,36 @@ weights."""
                          ids=["float32-eager", "float32-compiled", "int8-eager"])
 def test_k_quants_greedy_match_hf(tmp_path, monkeypatch, eager, int8):
     """Q4_K, Q6_K (256-weight super-blocks), Q5_0 and Q5_1 through the float32 kernel: exactly the
-    file's values, so greedy tokens are HF's on the de-quantized weights. With int8 activations, Q4_K's
-    sub-blocks are packed as Q4_1 blocks (their scales rounded to float16, which HF then takes too),
-    Q5_0's as Q8_0's, and HF rounds their inputs as the kernel does; the rest stays on the float32
-    kernel."""
+    file's values, so greedy tokens are HF's on the de-quantized weights. With int8 activations every
+    one of them is packed: Q4_K's sub-blocks as Q4_1 blocks and Q6_K's with a scale per 16 weights
+    (their scales rounded to float16, which HF then takes too), Q5_0's as Q8_0's, Q5_1's as bytes with
+    their minimum; HF rounds their inputs as the kernel does."""
     import engine.model.quant as quant
     if int8 and not _int8_ready():
         pytest.skip("the int8 kernel needs AVX-512 VNNI")
     monkeypatch.setattr(quant, "INT8_ACTIVATIONS", int8)
     hf = _model_dir(tmp_path, Q4_K_M, tie=False, hidden=256, head_type=Q.Q6_K)
     if int8:
-        round_activations_like_int8(hf, {"q_proj", "k_proj", "gate_proj"})  # Q4_K, Q5_0; the rest: float32 kernels
+        round_activations_like_int8(hf, ALL_PROJECTIONS - {"o_proj"})  # o_proj: F32 in the file, dense
     llm = LLM(str(tmp_path), quantization="gguf", dtype="float32", block_size=8, num_kv_blocks=64,
               max_num_seqs=4, enforce_eager=eager)
     model = llm.engine.runner.model
     qkv = model.layers[0].self_attn.qkv_proj
     q4k = int(Q.Q4_1 if int8 else Q.Q4_K)  # the kernel's type: the packed form's
     assert [p.qtype for p in qkv.qparts] == [q4k, q4k, int(Q.Q6_K)] and qkv.weight.numel() == 0
-    assert [p.qscale is not None for p in qkv.qparts] == [int8, int8, False]
+    assert [p.qscale is not None for p in qkv.qparts] == [int8] * 3
+    assert [p.qscale is not None for p in model.layers[0].mlp.gate_up_proj.qparts] == [int8] * 2  # Q5_0, Q5_1
+    assert (model.lm_head.qscale is not None) == int8 == (model.layers[0].mlp.down_proj.qscale is not None)
     assert model.layers[0].self_attn.o_proj.qtype is None  # dense (oneDNN-packed here)
     assert model.lm_head.qtype == int(Q.Q6_K) and model.embed_tokens.qtype is None  # an F32 token_embd
-    if int8:  # HF takes the weights the kernel reads: Q4_K's scales rounded to float16 when packed
+    if int8:  # HF takes the weights the kernel reads: k-quants' scales rounded to float16 when packed
         for layer, hf_layer in zip(model.layers, hf.model.layers):
-            hf_attn = hf_layer.self_attn
-            for part, proj in zip(layer.self_attn.qkv_proj.qparts, (hf_attn.q_proj, hf_attn.k_proj)):
+            a, m = hf_layer.self_attn, hf_layer.mlp
+            for part, proj in [*zip(layer.self_attn.qkv_proj.qparts, (a.q_proj, a.k_proj, a.v_proj)),
+                               *zip(layer.mlp.gate_up_proj.qparts, (m.gate_proj, m.up_proj)),
+                               (layer.mlp.down_proj, m.down_proj), (model.lm_head, hf.lm_head)]:
                 packed = (part.qweight, part.qscale, part.qmin, part.qtype)
-                proj.weight.data.copy_(_ops().gguf_dequantize_packed(*packed, 256))
+                proj.weight.data.copy_(_ops().gguf_dequantize_packed(*packed, proj.weight.shape[1]))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8) for p in PROMPTS]
@@ -381,3 +385,20 @@ def test_benchmark_compares_every_weight_format(tmp_path):
         assert quality["prompts"] == 32 and 0 <= quality["identical_greedy_texts"] <= 32
         assert quality["perplexity_ratio"] > 0 and report["systems"][name]["quality"]["text_tokens"] > 100
     assert report["environment"]["host_cpu"]["kernel_isa"]
+
+
+def test_benchmark_mix_writes_q6_k_that_gguf_reads_back(tmp_path):
+    """benchmarks.gguf_mix's Q6_K quantizer: gguf's own de-quantizer gives back every weight within a
+    step of its 16-weight sub-block (half a step, but where the int8 scale's rounding clips the largest),
+    on average within 0.3 (uniform rounding: 0.25); a slip in the layout would be off by many steps."""
+    from benchmarks.gguf_mix import quantize_q6_k, write_mix
+    w = (np.random.default_rng(2).standard_normal((16, 512)) * 0.05).astype(np.float32)
+    back = gguf.quants.dequantize(quantize_q6_k(w), Q.Q6_K)
+    step = np.abs(w).reshape(16, 32, 16).max(-1, keepdims=True) / 31
+    err = np.abs(back - w).reshape(16, 32, 16)
+    assert (err <= step * 1.01).all() and (err / step).mean() < 0.3
+    _model_dir(tmp_path, MIXED, tie=False, hidden=256)
+    types = write_mix(tmp_path / "model.gguf", tmp_path / "mix.gguf")
+    assert types.get("Q6_K") == 2  # each layer's ffn_down
+    reader = gguf.GGUFReader(tmp_path / "mix.gguf")
+    assert {t.tensor_type.name for t in reader.tensors if "ffn_down" in t.name} == {"Q6_K"}

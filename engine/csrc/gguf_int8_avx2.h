@@ -6,7 +6,8 @@
 // saturating; VPMADDWD by ones then adds int16 pairs into the int32 lanes VPDPBUSD would fill.
 // - Q4 nibbles (0-15) times activations (|q| <= 127): a pair is at most 3810, so the eight operands
 //   of a block add up in int16 (at most 30480) before one widening.
-// - Q8_0 weights are signed (their stored flip undone): |w| goes in as the unsigned operand and w's
+// - Q5_1 bytes (0-31): a pair is at most 7874, so four operands add up in int16 (31496) before widening.
+// - Signed weights (Q8_0, Q6_K; their stored flip undone): |w| goes in as the unsigned operand and w's
 //   sign moves onto the activation (VPSIGNB), a pair at most 2 x 128 x 127 = 32512; each operand
 //   widens on its own, and no -128 x sum correction is needed.
 // One 64-byte operand of 16 columns is two 32-byte halves of 8 columns each.
@@ -46,43 +47,47 @@ inline int32_t quantize_block(const float* xb, int8_t* qb, float& d) {
   return sum;
 }
 
-Activations quantize(const at::Tensor& x) { return quantize_with(x, quantize_block); }
+Activations quantize(const at::Tensor& x, bool halves) { return quantize_with(x, halves, quantize_block); }
 
-// One row's int32 dot products of a block with 8 columns' operands w[0..7] (see above).
+// One row's int32 dot products of a block's operands [s0, s1) with 8 columns' operands w (see above).
 template <int64_t QT>
-inline __m256i dot8(const __m256i* w, const int8_t* xq) {
+inline __m256i dot8(const __m256i* w, const int8_t* xq, int s0, int s1) {
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (QT == kQ8_0) {
-    __m256i dot = _mm256_setzero_si256();
-    for (int s = 0; s < 8; ++s) {
+  __m256i dot = _mm256_setzero_si256();
+  if constexpr (flipped(QT)) {
+    for (int s = s0; s < s1; ++s) {
       const __m256i x = _mm256_sign_epi8(broadcast4_256(xq + 4 * s), w[s]);
       dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[s]), x), ones));
     }
-    return dot;
   } else {
-    __m256i pairs = _mm256_maddubs_epi16(w[0], broadcast4_256(xq));
-    for (int s = 1; s < 8; ++s) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[s], broadcast4_256(xq + 4 * s)));
-    return _mm256_madd_epi16(pairs, ones);
+    constexpr int kRun = byte_operands(QT) ? 4 : 8;  // operands whose pairs add up in int16
+    for (int s = s0; s < s1; s += kRun) {
+      __m256i pairs = _mm256_maddubs_epi16(w[s], broadcast4_256(xq + 4 * s));
+      for (int t = s + 1; t < std::min(s1, s + kRun); ++t)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[t], broadcast4_256(xq + 4 * t)));
+      dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+    }
   }
+  return dot;
 }
 
 // Columns of packed groups [g0, g1) for R activation rows from r0, into out.
 template <int64_t QT, int R>
 void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* sw, const c10::Half* mw, int64_t g0,
           int64_t g1, float* out, int64_t ldo) {
-  constexpr int64_t kGroupBytes = QT == kQ8_0 ? 512 : 256;
+  constexpr int64_t kGroupBytes = group_bytes(QT), kHalves = halves(QT);
   const int64_t nb = a.nb;
-  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(flipped(QT) ? 0x80 : 0));
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wq = qw + g * nb * kGroupBytes;
-    const c10::Half* ws = sw + g * nb * kCols;
+    const c10::Half* ws = sw + g * nb * kHalves * kCols;
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       for (int h = 0; h < 2; ++h) {  // columns 8h..8h+7: bytes 32h..32h+31 of every operand
         const uint8_t* wb = wq + b * kGroupBytes + 32 * h;
         __m256i w[8];
-        if constexpr (QT == kQ8_0) {
+        if constexpr (byte_operands(QT)) {
           for (int s = 0; s < 8; ++s)
             w[s] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * s)), flip);
         } else {
@@ -92,18 +97,22 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
             w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
           }
         }
-        const int64_t at = b * kCols + 8 * h;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + at)));
+        __m256 d[kHalves];
+        for (int i = 0; i < kHalves; ++i)
+          d[i] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + (b * kHalves + i) * kCols + 8 * h)));
         __m256 m = _mm256_setzero_ps();
-        if constexpr (QT != kQ8_0) {
-          m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + g * nb * kCols + at)));
+        if constexpr (has_mins(QT)) {
+          m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + (g * nb + b) * kCols + 8 * h)));
         }
         for (int r = 0; r < R; ++r) {
-          const int64_t row = r0 + r;
-          const __m256i dot = dot8<QT>(w, a.q + row * a.k + b * kBlock);
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.d[row * nb + b])),
-                                      acc[r][h]);
-          if constexpr (QT != kQ8_0) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[row * nb + b]), acc[r][h]);
+          const int64_t row = r0 + r, at = row * nb + b;
+          const int8_t* xq = a.q + row * a.k + b * kBlock;
+          const __m256 ad = _mm256_set1_ps(a.d[at]);
+          for (int i = 0; i < kHalves; ++i) {
+            const __m256i dot = dot8<QT>(w, xq, 8 * i / kHalves, 8 * (i + 1) / kHalves);
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[i], ad), acc[r][h]);
+          }
+          if constexpr (has_mins(QT)) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[at]), acc[r][h]);
         }
       }
     }

@@ -10,11 +10,15 @@
 // column c. Each operand meets the same four activation bytes broadcast to every lane, so one
 // block's 512 products land in 16 int32 lanes, one per column, with no horizontal sums; only then
 // does the block's scale apply (one conversion, one multiply, one FMA per row and block, against
-// eight dot products). Q4 operands come as nibbles: low ones for weights 0-15 of the block, high
-// ones for 16-31, one mask or shift apiece. The blocks' offsets (Q4_0's -8 x scale, Q4_1's minimum)
-// times the activations' block sums are one more FMA. Q8_0 weights are stored with their sign bit
-// flipped (unsigned, + 128), and each row's int32 sums start from -128 x the activations' block sum,
-// which takes the 128 out again.
+// eight dot products). Two operand forms:
+// - nibbles (Q4_0, Q4_1, Q4_K): low ones for weights 0-15 of the block, high ones for 16-31, one mask
+//   or shift apiece;
+// - bytes (Q8_0, Q5_0, Q5_1, Q6_K): one operand a load.
+// The blocks' offsets (Q4_0's -8 x scale, Q4_1's and Q5_1's minimum) times the activations' block sums
+// are one more FMA. Signed weights (Q8_0, Q6_K) are stored with their sign bit flipped (unsigned,
+// + 128), and each row's int32 sums start from -128 x the activations' sum, which takes the 128 out
+// again. Q6_K has a scale per 16 weights: operands 0-3 and 4-7 sum apart, each with its own scale
+// and its half of the activations' sum.
 //
 // The cost is the activations' rounding (at most half a step of amax/127 per block): the tests bound
 // every output by it.
@@ -43,21 +47,34 @@ using namespace slotserve::gguf;
 
 constexpr int64_t kCols = 16;  // output columns per packed group: one int32 lane each
 
+// What each packed type is (the kernel's qtype: Q4_0 and Q4_K pack as Q4_1, Q5_0 as Q8_0).
+constexpr bool byte_operands(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ5_1 || qtype == kQ6_K; }
+constexpr bool flipped(int64_t qtype) { return qtype == kQ8_0 || qtype == kQ6_K; }  // signed, stored + 128
+constexpr bool has_mins(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ5_1; }
+constexpr int64_t halves(int64_t qtype) { return qtype == kQ6_K ? 2 : 1; }  // scales per 32 weights
+
 // Packed bytes of one block of a group of 16 columns.
-inline int64_t group_bytes(int64_t qtype) { return qtype == kQ8_0 ? 512 : 256; }
+constexpr int64_t group_bytes(int64_t qtype) { return byte_operands(qtype) ? 512 : 256; }
 
 // Weights [32b, 32b + 32) of column c of the packed group at ``g`` (its bytes, scales and minimums),
 // de-quantized to out: exactly what the file's block holds.
 inline void unpack_block(const uint8_t* g, const c10::Half* scales, const c10::Half* mins, int64_t qtype, int64_t b,
                          int64_t c, float* out) {
-  const float d = static_cast<float>(scales[b * kCols + c]);
   const uint8_t* q = g + b * group_bytes(qtype) + 4 * c;
-  if (qtype == kQ8_0) {
-    for (int64_t s = 0; s < 8; ++s)
-      for (int64_t j = 0; j < 4; ++j) out[4 * s + j] = d * static_cast<float>(static_cast<int8_t>(q[64 * s + j] ^ 0x80));
+  const int64_t h = halves(qtype);
+  if (byte_operands(qtype)) {
+    const float m = has_mins(qtype) ? static_cast<float>(mins[b * kCols + c]) : 0.0f;
+    const int flip = flipped(qtype) ? 0x80 : 0;
+    for (int64_t s = 0; s < 8; ++s) {
+      const float d = static_cast<float>(scales[(b * h + s * h / 8) * kCols + c]);
+      for (int64_t j = 0; j < 4; ++j) {
+        const int value = flip ? static_cast<int8_t>(q[64 * s + j] ^ flip) : q[64 * s + j];
+        out[4 * s + j] = d * static_cast<float>(value) + m;
+      }
+    }
     return;
   }
-  const float m = static_cast<float>(mins[b * kCols + c]);
+  const float d = static_cast<float>(scales[b * kCols + c]), m = static_cast<float>(mins[b * kCols + c]);
   for (int64_t v = 0; v < 4; ++v) {
     for (int64_t j = 0; j < 4; ++j) {
       const uint8_t byte = q[64 * v + j];
@@ -72,7 +89,7 @@ inline void unpack_row(const uint8_t* qw, const c10::Half* sw, const c10::Half* 
                        int64_t n, float* out) {
   const int64_t g = n / kCols, c = n % kCols;
   const uint8_t* group = qw + g * nb * group_bytes(qtype);
-  const c10::Half* scales = sw + g * nb * kCols;
+  const c10::Half* scales = sw + g * nb * halves(qtype) * kCols;
   const c10::Half* mins = mw == nullptr ? nullptr : mw + g * nb * kCols;
   for (int64_t b = 0; b < k / kBlock; ++b) unpack_block(group, scales, mins, qtype, b, c, out + b * kBlock);
 }
@@ -81,35 +98,43 @@ inline void unpack_row(const uint8_t* qw, const c10::Half* sw, const c10::Half* 
 constexpr bool kReady = true;
 
 // One call's activations, quantized per 32-block: quants [M, K] int8, and per block its scale d,
-// d x its quants' sum (for the offsets), and 128 x that sum as an integer (for Q8_0's flip).
+// d x its quants' sum (for the offsets), and 128 x that sum as an integer (for the flip); for Q6_K
+// also 128 x the sum of its first 16 quants (the second half's is c - c0).
 struct Activations {
-  at::Tensor q_, d_, s_, c_;  // owners
+  at::Tensor q_, d_, s_, c_, c0_;  // owners
   const int8_t* q;
   const float *d, *s;
-  const int32_t* c;
+  const int32_t *c, *c0;
   int64_t k, nb;
 };
 
 // x [M, K] quantized block by block: ``quantize_block(xb, qb, d)`` rounds the 32 floats at xb to qb
 // with scale d and returns their quants' sum.
 template <class QuantizeBlock>
-Activations quantize_with(const at::Tensor& x, QuantizeBlock quantize_block) {
+Activations quantize_with(const at::Tensor& x, bool halves, QuantizeBlock quantize_block) {
   const int64_t m = x.size(0), k = x.size(1), nb = k / kBlock, ldx = x.stride(0);
+  const auto ints = x.options().dtype(at::kInt);
   Activations a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, x.options()),
-                at::empty({m, nb}, x.options()), at::empty({m, nb}, x.options().dtype(at::kInt)),
-                nullptr, nullptr, nullptr, nullptr, k, nb};
+                at::empty({m, nb}, x.options()), at::empty({m, nb}, ints), at::empty({halves ? m : 0, nb}, ints),
+                nullptr, nullptr, nullptr, nullptr, nullptr, k, nb};
   const float* xp = x.data_ptr<float>();
   int8_t* q = a.q_.data_ptr<int8_t>();
   float *dp = a.d_.data_ptr<float>(), *sp = a.s_.data_ptr<float>();
-  int32_t* cp = a.c_.data_ptr<int32_t>();
-  a.q = q, a.d = dp, a.s = sp, a.c = cp;
+  int32_t *cp = a.c_.data_ptr<int32_t>(), *c0p = a.c0_.data_ptr<int32_t>();
+  a.q = q, a.d = dp, a.s = sp, a.c = cp, a.c0 = c0p;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       float d;
-      const int32_t sum = quantize_block(xp + r * ldx + b * kBlock, q + r * k + b * kBlock, d);
+      int8_t* qb = q + r * k + b * kBlock;
+      const int32_t sum = quantize_block(xp + r * ldx + b * kBlock, qb, d);
       dp[r * nb + b] = d;
       sp[r * nb + b] = d * static_cast<float>(sum);
       cp[r * nb + b] = 128 * sum;
+      if (halves) {
+        int32_t first = 0;
+        for (int64_t j = 0; j < kBlock / 2; ++j) first += qb[j];
+        c0p[r * nb + b] = 128 * first;
+      }
     }
   }
   return a;
@@ -129,7 +154,7 @@ inline int32_t quantize_block(const float* xb, int8_t* qb, float& d) {
   return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 }
 
-Activations quantize(const at::Tensor& x) { return quantize_with(x, quantize_block); }
+Activations quantize(const at::Tensor& x, bool halves) { return quantize_with(x, halves, quantize_block); }
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -141,17 +166,17 @@ inline __m512i broadcast4(const int8_t* p) {
 template <int64_t QT, int R>
 void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* sw, const c10::Half* mw, int64_t g0,
           int64_t g1, float* out, int64_t ldo) {
-  constexpr int64_t kGroupBytes = QT == kQ8_0 ? 512 : 256;
+  constexpr int64_t kGroupBytes = group_bytes(QT), kHalves = halves(QT);
   const int64_t nb = a.nb;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wq = qw + g * nb * kGroupBytes;
-    const c10::Half* ws = sw + g * nb * kCols;
+    const c10::Half* ws = sw + g * nb * kHalves * kCols;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       __m512i w[8];  // operand s: four weights 4s..4s+3 of the block per column
-      if constexpr (QT == kQ8_0) {
+      if constexpr (byte_operands(QT)) {
         for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(wq + b * kGroupBytes + 64 * s);
       } else {
         for (int v = 0; v < 4; ++v) {
@@ -160,18 +185,29 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
           w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
         }
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + b * kCols)));
+      __m512 d[kHalves];
+      for (int h = 0; h < kHalves; ++h)
+        d[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + (b * kHalves + h) * kCols)));
       __m512 m = _mm512_setzero_ps();
-      if constexpr (QT != kQ8_0) {
+      if constexpr (has_mins(QT)) {
         m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mw + (g * nb + b) * kCols)));
       }
       for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
+        const int64_t row = r0 + r, at = row * nb + b;
         const int8_t* xq = a.q + row * a.k + b * kBlock;
-        __m512i dot = QT == kQ8_0 ? _mm512_set1_epi32(-a.c[row * nb + b]) : _mm512_setzero_si512();
-        for (int s = 0; s < 8; ++s) dot = _mm512_dpbusd_epi32(dot, w[s], broadcast4(xq + 4 * s));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.d[row * nb + b])), acc[r]);
-        if constexpr (QT != kQ8_0) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[row * nb + b]), acc[r]);
+        const __m512 ad = _mm512_set1_ps(a.d[at]);
+        if constexpr (kHalves == 2) {  // operands 0-3 and 4-7 under scales of their own
+          __m512i dot0 = _mm512_set1_epi32(-a.c0[at]), dot1 = _mm512_set1_epi32(a.c0[at] - a.c[at]);
+          for (int s = 0; s < 4; ++s) dot0 = _mm512_dpbusd_epi32(dot0, w[s], broadcast4(xq + 4 * s));
+          for (int s = 4; s < 8; ++s) dot1 = _mm512_dpbusd_epi32(dot1, w[s], broadcast4(xq + 4 * s));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(d[0], ad), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(d[kHalves - 1], ad), acc[r]);
+        } else {
+          __m512i dot = flipped(QT) ? _mm512_set1_epi32(-a.c[at]) : _mm512_setzero_si512();
+          for (int s = 0; s < 8; ++s) dot = _mm512_dpbusd_epi32(dot, w[s], broadcast4(xq + 4 * s));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[0], ad), acc[r]);
+        }
+        if constexpr (has_mins(QT)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[at]), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo + g * kCols, acc[r]);
@@ -203,22 +239,32 @@ constexpr bool kReady = false;
 namespace slotserve::gguf {
 
 namespace {
-// quants [N/16, blocks x 256 (Q4) or 512 (Q8_0)] bytes, scales and minimums [N/16, blocks x 16] float16.
+bool packed_type(int64_t qtype) {
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ8_0 || qtype == kQ6_K;
+}
+bool reads_mins(int64_t qtype) { return !flipped(qtype); }  // Q4_0's offset is packed as a minimum
+
+// Blocks of 32 weights in each row of the packed weight.
+int64_t packed_blocks(const at::Tensor& scales, int64_t qtype) { return scales.size(1) / (kCols * halves(qtype)); }
+
+// quants [N/16, blocks x 256 (nibbles) or 512 (bytes)] bytes; scales [N/16, blocks x 16] float16 (Q6_K:
+// blocks x 32, a scale per 16 weights), minimums [N/16, blocks x 16] float16 where the type has them.
 void check_packed(const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins, int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "GGUF quant type ", qtype, " has no packed kernel");
+  TORCH_CHECK(packed_type(qtype), "GGUF quant type ", qtype, " has no packed kernel");
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.size(1) % kCols == 0,
-              "packed scales must be contiguous float16 [N / 16, blocks x 16]");
-  const int64_t groups = scales.size(0), nb = scales.size(1) / kCols;
+                  scales.size(1) % (kCols * halves(qtype)) == 0,
+              "packed scales must be contiguous float16 [N / 16, blocks x ", kCols * halves(qtype), "]");
+  const int64_t groups = scales.size(0), nb = packed_blocks(scales, qtype);
   TORCH_CHECK(quants.dim() == 2 && quants.is_contiguous() && quants.element_size() == 1 && quants.size(0) == groups &&
                   quants.size(1) == nb * group_bytes(qtype),
               "packed quants must be contiguous bytes [N / 16, blocks x ", group_bytes(qtype), "]");
-  TORCH_CHECK(qtype == kQ8_0 || (mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous()),
-              "packed minimums must be float16 [N / 16, blocks x 16] like the scales");
+  TORCH_CHECK(!reads_mins(qtype) || (mins.dim() == 2 && mins.size(0) == groups && mins.size(1) == nb * kCols &&
+                                     mins.scalar_type() == at::kHalf && mins.is_contiguous()),
+              "packed minimums must be contiguous float16 [N / 16, blocks x 16]");
 }
 
 const c10::Half* mins_of(const at::Tensor& mins, int64_t qtype) {
-  return qtype == kQ8_0 ? nullptr : mins.data_ptr<c10::Half>();
+  return reads_mins(qtype) ? mins.data_ptr<c10::Half>() : nullptr;
 }
 }  // namespace
 
@@ -228,23 +274,24 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& quants,
   TORCH_CHECK(kReady, "gguf int8 kernels need AVX-512 VNNI or AVX2 (the library was built without either)");
   check_packed(quants, scales, mins, qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  x.size(1) == scales.size(1) / kCols * kBlock,
+                  x.size(1) == packed_blocks(scales, qtype) * kBlock,
               "x must be float32 [M, K], rows contiguous, K the weight's");
   const int64_t m = x.size(0), n = scales.size(0) * kCols;
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == m && out.size(1) == n &&
                   out.stride(1) == 1, "out must be float32 [M, N], rows contiguous");
 #ifdef SLOTSERVE_INT8
-  const Activations a = quantize(x);
+  const Activations a = quantize(x, halves(qtype) == 2);
   const uint8_t* qw = static_cast<const uint8_t*>(quants.data_ptr());
   const c10::Half *sw = scales.data_ptr<c10::Half>(), *mw = mins_of(mins, qtype);
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
   // Chunks of 4 groups (64 columns): a few KB of weights that stay in L1 while every tile of x passes.
   at::parallel_for(0, scales.size(0), 4, [&](int64_t g0, int64_t g1) {
-    if (qtype == kQ8_0) {
-      rows<kQ8_0>(a, 0, m, qw, sw, mw, g0, g1, op, ldo);
-    } else {
-      rows<kQ4_1>(a, 0, m, qw, sw, mw, g0, g1, op, ldo);  // Q4_0 packs as Q4_1 (minimum -8 x scale)
+    switch (qtype) {
+      case kQ8_0: rows<kQ8_0>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
+      case kQ5_1: rows<kQ5_1>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
+      case kQ6_K: rows<kQ6_K>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
+      default: rows<kQ4_1>(a, 0, m, qw, sw, mw, g0, g1, op, ldo);  // Q4_0 packs as Q4_1 (minimum -8 x scale)
     }
   });
 #endif
@@ -253,7 +300,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& quants,
 at::Tensor dequantize_packed(const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins,
                              int64_t qtype, int64_t k) {
   check_packed(quants, scales, mins, qtype);
-  TORCH_CHECK(k == scales.size(1) / kCols * kBlock, "K must be the weight's");
+  TORCH_CHECK(k == packed_blocks(scales, qtype) * kBlock, "K must be the weight's");
   const int64_t n = scales.size(0) * kCols, nb = k / kBlock;
   at::Tensor out = at::empty({n, k}, scales.options().dtype(at::kFloat));
   const uint8_t* qw = static_cast<const uint8_t*>(quants.data_ptr());
@@ -269,7 +316,7 @@ at::Tensor dequantize_packed(const at::Tensor& quants, const at::Tensor& scales,
 at::Tensor take_packed(const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins, int64_t qtype,
                        int64_t k, const at::Tensor& ids) {
   check_packed(quants, scales, mins, qtype);
-  TORCH_CHECK(k == scales.size(1) / kCols * kBlock, "K must be the weight's");
+  TORCH_CHECK(k == packed_blocks(scales, qtype) * kBlock, "K must be the weight's");
   const at::Tensor flat = ids.reshape(-1).to(at::kLong).contiguous();
   const int64_t rows = flat.numel(), n = scales.size(0) * kCols, nb = k / kBlock;
   const int64_t* idp = flat.data_ptr<int64_t>();

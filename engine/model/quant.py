@@ -6,10 +6,10 @@ the 32 of the float32 model the converted checkpoint holds. With ``quantization:
 checkpoint still supplies the configuration, norms and embedding rows; each linear layer (and
 the LM head) instead holds the file's blocks and multiplies them in place:
 
-- Q4_0, Q4_1, Q8_0 (and Q4_K, Q5_0 re-packed as those), where the CPU has AVX-512 VNNI or AVX2:
-  packed once at load (``pack_int8``) in groups of 16 output columns for int8 dot products with
-  activations quantized per 32-block, as llama.cpp does (engine/csrc/gguf_linear_int8.cpp; both
-  instruction sets give the same outputs), at every step size;
+- every type of ``KERNEL_TYPES``, where the CPU has AVX-512 VNNI or AVX2: packed once at load
+  (``pack_int8``) in groups of 16 output columns for int8 dot products with activations quantized
+  per 32-block, as llama.cpp does (engine/csrc/gguf_linear_int8.cpp; both instruction sets give the
+  same outputs), at every step size; a tensor whose rows are no multiple of 16 keeps its blocks;
 - otherwise, the file's blocks as they are, widened to float32 in registers beside the FMAs
   (engine/csrc/gguf_linear.cpp): exactly the file's values, summed in another order.
 
@@ -41,9 +41,8 @@ KERNEL_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "
 Q4_K_M, the most common download, is Q4_K with Q6_K for some layers (and the head); where a row is no
 multiple of 256 weights, llama.cpp's quantizer writes Q5_0 for Q4_K and Q8_0 for Q6_K."""
 
-INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0")
-"""Types ``pack_int8`` lays out for the int8 kernel; Q5_1 and Q6_K (a scale per 16 weights) go through
-the float32 one."""
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
+"""Types ``pack_int8`` lays out for the int8 kernel: every type of ``KERNEL_TYPES``."""
 
 PACKED_AS = {"Q4_K": "Q4_1", "Q5_0": "Q8_0"}
 """Types the int8 kernel reads in another type's packed form (the kernel's ``qtype``)."""
@@ -116,16 +115,32 @@ def _q4k_blocks(rows: np.ndarray, n: int, nb: int) -> tuple[np.ndarray, np.ndarr
     return (quants, (d * sc).astype(np.float16).reshape(n, nb), (-(dmin * m)).astype(np.float16).reshape(n, nb))
 
 
-def _q5_0_blocks(rows: np.ndarray, n: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q5_0 blocks as Q8_0's: (signed quants q - 16 [n, nb, 32] int8, float16 scales [n, nb]). Exact: the
-    5-bit values fit a byte; the kernel then reads 8.5 bits a weight instead of 5.5."""
-    blocks = rows.reshape(n, nb, KERNEL_TYPES["Q5_0"][2])
+def _q5_blocks(rows: np.ndarray, type_name: str, n: int, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Q5_0 / Q5_1 blocks as (unsigned quants [n, nb, 32] in order, float16 scales [n, nb], float16
+    minimums [n, nb] for Q5_1, else None): the 5-bit values fit a byte, so the kernel reads 8.5 or 9
+    bits a weight instead of 5.5 or 6."""
+    blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
+    start = 4 if type_name == "Q5_1" else 2
     scales = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-    high = blocks[:, :, 2:6].copy().view("<u4")  # bit j: weight j's fifth bit
+    mins = blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if type_name == "Q5_1" else None
+    high = blocks[:, :, start:start + 4].copy().view("<u4")  # bit j: weight j's fifth bit
     fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    nibbles = blocks[:, :, 6:22]
-    values = np.concatenate([nibbles & 15, nibbles >> 4], axis=2) | (fifth << 4)
-    return (values.astype(np.int16) - 16).astype(np.int8), scales
+    nibbles = blocks[:, :, start + 4:start + 20]
+    return np.concatenate([nibbles & 15, nibbles >> 4], axis=2) | (fifth << 4), scales, mins
+
+
+def _q6k_blocks(rows: np.ndarray, n: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks as 32-weight blocks of signed quants q - 32 [n, nb, 32] int8 and their float16
+    scales d sc, one per 16 weights [n, nb, 2] (the product rounded as Q4_K's are)."""
+    blocks = rows.reshape(n, nb // 8, 210)
+    ql = blocks[..., :128].reshape(n, nb // 8, 2, 2, 32)  # [half of 128, low/high 32 bytes, 32]
+    qh = blocks[..., 128:192].reshape(n, nb // 8, 2, 32)
+    # Weights 32j..32j+31 of each half: ql's low nibbles (j = 0, 1) then high ones (2, 3), with two bits of qh each.
+    q = np.stack([(ql[..., j % 2, :] >> (4 * (j // 2)) & 15) | ((qh >> (2 * j)) & 3) << 4 for j in range(4)], axis=3)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [n, nb / 8, 1]
+    sc = blocks[..., 192:208].view(np.int8).astype(np.float32)  # a scale per 16 weights, in order
+    return ((q.astype(np.int16) - 32).astype(np.int8).reshape(n, nb, 32),
+            (d * sc).astype(np.float16).reshape(n, nb, 2))
 
 
 def _q4_blocks(rows: np.ndarray, type_name: str, n: int, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -141,32 +156,39 @@ def _q4_blocks(rows: np.ndarray, type_name: str, n: int, nb: int) -> tuple[np.nd
 
 def pack_int8(rows: np.ndarray, type_name: str, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tensor's blocks as the int8 kernel reads them (engine/csrc/gguf_linear_int8.cpp), per group of 16
-    output columns: quants [N/16, blocks x 256 (Q4) or 512 (Q8_0)], float16 scales and minimums
-    [N/16, blocks x 16]. A block's operand s holds weights 4s..4s+3 of column c in bytes 4c..4c+3;
-    Q4 operands 0-3 sit in the low nibbles, 4-7 in the high ones; Q8_0 bytes have their sign bit
-    flipped. Q4_K's 32-weight sub-blocks become blocks of Q4_1's form, Q5_0's blocks Q8_0's
-    (``PACKED_AS``). N must be a multiple of 16."""
+    output columns: quants [N/16, blocks x 256 (nibbles) or 512 (bytes)], float16 scales [N/16, blocks
+    x 16; Q6_K: x 32, one per 16 weights] and minimums [N/16, blocks x 16]. A block's operand s holds
+    weights 4s..4s+3 of column c in bytes 4c..4c+3. Nibble operands 0-3 sit in the low nibbles, 4-7 in
+    the high ones. Signed bytes (Q8_0, Q5_0, Q6_K) have their sign bit flipped; Q5_0's values are
+    shifted to signed, Q5_1's stay unsigned with their minimum. Q4_K's 32-weight sub-blocks become
+    blocks of Q4_1's form, Q5_0's Q8_0's (``PACKED_AS``). N must be a multiple of 16."""
     n, nb = rows.shape[0], in_features // 32
-    if PACKED_AS.get(type_name, type_name) == "Q8_0":
+    kind = PACKED_AS.get(type_name, type_name)
+    if kind == "Q8_0" or kind == "Q6_K":
         if type_name == "Q5_0":
-            signed, scales = _q5_0_blocks(rows, n, nb)
+            unsigned, scales, _ = _q5_blocks(rows, type_name, n, nb)
+            signed = (unsigned.astype(np.int16) - 16).astype(np.int8)
+        elif type_name == "Q6_K":
+            signed, scales = _q6k_blocks(rows, n, nb)
         else:
             blocks = rows.reshape(n, nb, KERNEL_TYPES[type_name][2])
             signed, scales = blocks[:, :, 2:].view(np.int8), blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
         values = signed.view(np.uint8) ^ np.uint8(0x80)
-        mins = np.zeros_like(scales)
+        mins = np.zeros((n, nb), np.float16)
+    elif kind == "Q5_1":
+        values, scales, mins = _q5_blocks(rows, type_name, n, nb)
     else:
         values, scales, mins = (_q4k_blocks(rows, n, nb) if type_name == "Q4_K"
                                 else _q4_blocks(rows, type_name, n, nb))
     # [group, column, block, operand, byte] -> [group, block, operand, column, byte]
     ops = values.reshape(n // 16, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)
-    if PACKED_AS.get(type_name, type_name) != "Q8_0":
+    if kind in ("Q4_0", "Q4_1"):
         ops = ops[:, :, :4] | (ops[:, :, 4:] << 4)
     quants = np.ascontiguousarray(ops).reshape(n // 16, -1)
 
-    def by_group(per_block: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(per_block.reshape(n // 16, 16, nb).transpose(0, 2, 1))
-                                .reshape(n // 16, -1))
+    def by_group(per_block: np.ndarray) -> torch.Tensor:  # [n, nb(, halves)] -> [group, block(, half), column]
+        grouped = per_block.reshape(n // 16, 16, nb, -1).transpose(0, 2, 3, 1)
+        return torch.from_numpy(np.ascontiguousarray(grouped).reshape(n // 16, -1))
     return torch.from_numpy(quants), by_group(scales), by_group(mins)
 
 
