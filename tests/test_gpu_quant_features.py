@@ -1,6 +1,6 @@
 """FP8 / INT4 layers (engine.model.gpu_quant) with the engine's other features, on CPU under Triton's
 interpreter: LoRA adapters on a quantized base, tensor parallelism over a dense checkpoint rounded at
-load, and a quantized checkpoint refused under tensor parallelism.
+load and over a quantized checkpoint (each rank cutting its share of the file's blocks).
 
 Oracles are exact up to summation order: HF transformers (+ PEFT for adapters) in float32 on the weights
 the engine de-quantizes to. Under tensor parallelism each rank rounds its own shard, so the oracle rounds
@@ -267,10 +267,55 @@ def test_tensor_parallel_rounded_at_load_equals_tp1_and_hf(tp_case, method):
 
 # --- 3. a quantized checkpoint under tensor parallelism ----------------------------------------------
 
-def test_quantized_checkpoint_with_tensor_parallelism_is_refused(checkpoints):
-    """Checkpoints' own quantization (AWQ here) loads on one GPU only: TP=2 is refused, naming why, and no
-    worker is left behind."""
-    path, _, _ = checkpoints("awq")
-    with pytest.raises(ModelLoadError, match=r"awq checkpoints are served on one GPU.*tensor-parallel"):
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_quantized_checkpoint_sharded_gives_tp1_tokens_and_hf(checkpoints, fmt):
+    """TP=2 over a checkpoint's own quantization: each rank cuts every part to its share (rows with their
+    scales; input features in whole groups, GPTQ's 32 here) and holds exactly its slice of the checkpoint's
+    de-quantized weights; greedy tokens equal TP=1's and HF's on those weights, prompt log-probabilities
+    within 1e-4 nats. With the interpreter the ranks run the kernels; without it each rank de-quantizes
+    its cut at load."""
+    path, weights, oracle = checkpoints(fmt)
+    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+    tp1 = LLM(str(path), **OPTIONS)
+    tp1_tokens = _tokens(tp1.generate(requests, GREEDY))
+    del tp1
+    llm = LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+    try:
+        for layer, block in enumerate(llm.engine.runner.model.layers):
+            for fused in FUSED:
+                module = block.get_submodule(fused)
+                held = module.wq.dequantize() if module.wq is not None else module.weight.data
+                assert torch.equal(held, _rank_slice(weights, layer, fused, module)), (layer, fused)
+        got = _tokens(llm.generate(requests, GREEDY))
+        assert got == tp1_tokens == [_hf_greedy(oracle, p, MAX_NEW) for p in PROMPTS]
+        for prompt, out in zip(PROMPTS, llm.generate(requests, SCORED)):
+            assert _prompt_logprob_error(out, prompt, oracle) < 1e-4, prompt[:4]
+    finally:
+        llm.shutdown()
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("fmt,width,what", [("awq", 128, "groups"), ("fp8", 128, "scale blocks")])
+def test_a_split_inside_groups_or_blocks_is_refused_before_workers_start(checkpoints, fmt, width, what):
+    """o_proj's 128 input features split at 64 cut AWQ's 128-wide groups and FP8's 128 x 128 blocks:
+    refused by name before any worker starts."""
+    path, _, _ = checkpoints(fmt)
+    with pytest.raises(ModelLoadError, match=rf"{fmt} checkpoint: tensor_parallel_size 2 splits every o_proj's "
+                                             rf"input features at 64, inside its {width}-wide {what}"):
         LLM(str(path), tensor_parallel_size=2, **OPTIONS)
     assert not multiprocessing.active_children()
+
+
+def test_the_loader_cuts_scale_blocks_whole_or_refuses():
+    """Blocks found from a scale's shape (compressed-tensors names none in its config): a cut between blocks
+    keeps theirs, one inside a block names the tensor."""
+    from engine.model.gpu_quant import QuantScheme
+    from engine.model.quant_checkpoint import _fp8_parts
+    scheme = QuantScheme("fp8", "compressed-tensors")
+    part = {"weight": torch.randn(256, 256).to(torch.float8_e4m3fn), "weight_scale": torch.tensor([[1., 2.], [3., 4.]])}
+    held = _fp8_parts(["layers.0.mlp.down_proj"], [part], scheme, [(slice(128, 192), slice(128, 256))])
+    assert held.block == (1, 128) and torch.equal(held.scale, torch.full((64, 1), 4.0))
+    assert torch.equal(held.weight.float(), part["weight"][128:192, 128:].float())
+    with pytest.raises(ModelLoadError, match=r"layers.0.mlp.down_proj: tensor parallelism splits its input "
+                                             r"features at 64 and 192, inside its 128-wide scale blocks"):
+        _fp8_parts(["layers.0.mlp.down_proj"], [part], scheme, [(None, slice(64, 192))])

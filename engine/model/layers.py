@@ -192,13 +192,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, group)
 
+    def part_rows(self, shard_id) -> tuple[int, int]:
+        """(start, size) of this rank's rows of part ``shard_id``, in the checkpoint's whole tensor."""
+        size = self.out_sizes[shard_id] // self.group.world_size
+        return self.group.rank * size, size
+
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        ws, rank = self.group.world_size, self.group.rank
-        offset = sum(self.out_sizes[:shard_id]) // ws
-        size = self.out_sizes[shard_id] // ws
+        offset = sum(self.out_sizes[:shard_id]) // self.group.world_size
+        src, size = self.part_rows(shard_id)
         name = f"{type(self).__name__}[{shard_id}]"
         _check_full(loaded, 0, self.out_sizes[shard_id], name)
-        _copy_checked(param.data.narrow(0, offset, size), _part(loaded, 0, rank * size, size), name)
+        _copy_checked(param.data.narrow(0, offset, size), _part(loaded, 0, src, size), name)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -214,16 +218,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.local_heads + 2 * self.local_kv_heads) * head_dim
         LinearBase.__init__(self, hidden, out, bias, group)
 
+    def part_rows(self, shard_id) -> tuple[int, int]:
+        """(start, size) of this rank's rows of part ``shard_id`` (q, k, v), in the checkpoint's tensor."""
+        d, h = self.head_dim, self.heads
+        return (h.q_start * d, h.q_count * d) if shard_id == "q" else (h.kv_start * d, h.kv_count * d)
+
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         d, h = self.head_dim, self.heads
         q_size, kv_size = h.q_count * d, h.kv_count * d
         name = f"QKVParallelLinear[{shard_id}]"
-        if shard_id == "q":
-            _check_full(loaded, 0, self.num_heads * d, name)
-            dst, src, size = 0, h.q_start * d, q_size
-        else:
-            _check_full(loaded, 0, self.num_kv_heads * d, name)
-            dst, src, size = (q_size if shard_id == "k" else q_size + kv_size), h.kv_start * d, kv_size
+        _check_full(loaded, 0, (self.num_heads if shard_id == "q" else self.num_kv_heads) * d, name)
+        dst = {"q": 0, "k": q_size, "v": q_size + kv_size}[shard_id]
+        src, size = self.part_rows(shard_id)
         _copy_checked(param.data.narrow(0, dst, size), _part(loaded, 0, src, size), name)
 
 

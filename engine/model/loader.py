@@ -71,9 +71,6 @@ def load_model(path: Path, arch: ModelArch, group: ParallelGroup, backend: Atten
     loaded: set[tuple[str, object]] = set()
     collector = None
     if scheme is not None:
-        if group.world_size > 1:
-            raise ModelLoadError(f"{scheme.source} checkpoints are served on one GPU: their tensor-parallel "
-                                 "sharding is not built yet (quantization fp8 or int4 of a dense checkpoint shards)")
         collector = QuantCollector(scheme, model)
     for file in files:
         try:

@@ -4,6 +4,11 @@ The loader (engine.model.loader) hands every tensor of a quantized layer here in
 dense parameter; once the files are read, each layer's parts (q, k and v; gate and up) are joined
 along the output features into one ``QuantWeights`` (engine.model.gpu_quant), so fused layers stay
 one product. A layer the checkpoint left dense (its ``ignore`` list) loads as before.
+
+Under tensor parallelism each part is cut to the rank's share before it is joined, as the dense
+loaders cut theirs: output rows with their scales (any rows: scales are per row once read), or
+input features with their groups or scale blocks whole (a cut inside one is refused). Each rank
+reads the layer's whole tensors to cut them.
 """
 
 from __future__ import annotations
@@ -42,10 +47,31 @@ def _fp8_scale(name: str, s: torch.Tensor, n: int, k: int, block: tuple[int, int
                          f"nor {bn} x {bk} blocks of a {n} x {k} weight")
 
 
-def _fp8_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: QuantScheme) -> QuantWeights:
+Shard = tuple[slice | None, slice | None]
+"""A rank's (output rows, input features) of one part, in the checkpoint's whole tensor; None: all."""
+
+
+def _shard_of(module, part) -> Shard:
+    if module.group.world_size == 1:
+        return None, None
+    if hasattr(module, "part_rows"):  # column-parallel: q/k/v heads, gate/up rows
+        start, size = module.part_rows(part)
+        return slice(start, start + size), None
+    return None, slice(module.in_start, module.in_start + module.in_features)  # row-parallel: o, down
+
+
+def _cut_error(name: str, cols: slice, width: int, what: str) -> ModelLoadError:
+    return ModelLoadError(f"{name}: tensor parallelism splits its input features at {cols.start} and {cols.stop}, "
+                          f"inside its {width}-wide {what}; choose a tensor_parallel_size whose splits fall "
+                          "between them")
+
+
+def _fp8_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: QuantScheme,
+               shards: list[Shard] | None = None) -> QuantWeights:
     weights, scales, widths = [], [], set()
+    shards = shards or [(None, None)] * len(parts)
     k = parts[0]["weight"].shape[1]
-    for name, p in zip(names, parts):
+    for name, p, (rows, cols) in zip(names, parts, shards):
         w = p["weight"]
         s = p.get("weight_scale_inv", p.get("weight_scale"))
         if s is None:
@@ -53,9 +79,17 @@ def _fp8_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: Q
         if w.shape[1] != k:
             raise ModelLoadError(f"{name}: weight has {w.shape[1]} input features, expected {k}")
         s, width = _fp8_scale(name, s, w.shape[0], k, scheme.block)
+        if rows is not None:  # a scale per row (blocks repeated over theirs): any rows cut cleanly
+            w, s = w[rows], s[rows]
+        if cols is not None:
+            if width is not None and (cols.start % width or (cols.stop % width and cols.stop != k)):
+                raise _cut_error(name, cols, width, "scale blocks")
+            w = w[:, cols]
+            s = s[:, cols.start // width:-(-cols.stop // width)] if width is not None else s
         widths.add(width)
         weights.append(w.to(torch.float8_e4m3fn))
         scales.append(s)
+    k = weights[0].shape[1]
     widths.discard(None)
     if len(widths) > 1:
         raise ModelLoadError(f"{', '.join(names)}: parts have blocks of different widths {sorted(widths)}")
@@ -66,10 +100,12 @@ def _fp8_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: Q
                         block=None if bk is None else (1, bk))
 
 
-def _int4_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: QuantScheme) -> QuantWeights:
+def _int4_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: QuantScheme,
+                shards: list[Shard] | None = None) -> QuantWeights:
     q_all, s_all, z_all = [], [], []
+    shards = shards or [(None, None)] * len(parts)
     g = scheme.group
-    for name, p in zip(names, parts):
+    for name, p, (rows, cols) in zip(names, parts, shards):
         missing = [t for t in ("qweight", "qzeros", "scales") if t not in p]
         if missing:
             raise ModelLoadError(f"{name}: {scheme.source} layer lacks {', '.join(missing)}")
@@ -87,6 +123,13 @@ def _int4_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: 
         if k % g or tuple(s.shape) != (k // g, n) or tuple(z.shape) != (k // g, n):
             raise ModelLoadError(f"{name}: qweight is {k} x {n} but scales are {tuple(s.shape)} and zero "
                                  f"points {tuple(z.shape)}; group size {g} needs {k // g} x {n}")
+        if rows is not None:  # output features are this layout's columns
+            q, s, z = q[:, rows], s[:, rows], z[:, rows]
+        if cols is not None:
+            if cols.start % g or cols.stop % g:
+                raise _cut_error(name, cols, g, "groups")
+            groups = slice(cols.start // g, cols.stop // g)
+            q, s, z = q[cols], s[groups], z[groups]
         q_all.append(q)
         s_all.append(s.half())
         z_all.append(z.half())
@@ -103,6 +146,26 @@ def _checkpoint_name(module: str, part) -> str:
         if p == part and module.endswith(fused):
             return module.removesuffix(fused) + ckpt
     return module
+
+
+def check_tp_cuts(scheme: QuantScheme, arch, world_size: int) -> None:
+    """Refuse, before any worker starts, a tensor-parallel split of o_proj's or down_proj's input features
+    that falls inside the checkpoint's int4 groups or FP8 blocks (where the config names them; the loader
+    checks every tensor's scales as it shards them)."""
+    from engine.parallel import shard_heads
+    width = scheme.group if scheme.kind == "int4" else (scheme.block[1] if scheme.block else None)
+    if width is None or world_size == 1 or scheme.source == "dense":
+        return
+    cuts = {"o_proj": [shard_heads(arch.num_heads, arch.num_kv_heads, r, world_size).q_start * arch.head_dim
+                       for r in range(1, world_size)],
+            "down_proj": [r * arch.intermediate_size // world_size for r in range(1, world_size)]}
+    for layer, points in cuts.items():
+        inside = [c for c in points if c % width]
+        if inside:
+            what = "groups" if scheme.kind == "int4" else "scale blocks"
+            raise ModelLoadError(f"{scheme.source} checkpoint: tensor_parallel_size {world_size} splits every "
+                                 f"{layer}'s input features at {inside[0]}, inside its {width}-wide {what}; choose "
+                                 "a tensor_parallel_size whose splits fall between them")
 
 
 class QuantCollector:
@@ -138,7 +201,7 @@ class QuantCollector:
             module = self.model.get_submodule(module_name)
             order = sorted(by_part, key=lambda p: PART_ORDER.get(p, p) if p is not None else 0)
             names = [_checkpoint_name(module_name, p) for p in order]
-            weights = build(names, [by_part[p] for p in order], self.scheme)
+            weights = build(names, [by_part[p] for p in order], self.scheme, [_shard_of(module, p) for p in order])
             expected = (module.out_features, module.in_features)
             if (weights.out_features, weights.in_features) != expected:
                 raise ModelLoadError(f"{module_name}: the quantized weight is {weights.out_features} x "

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, ModelLoadError
+from engine.errors import EngineDeadError
 from engine.model import ModelArch
 from engine.model.gpu_quant import resolve_scheme
+from engine.model.quant_checkpoint import check_tp_cuts
 from engine.parallel import check_tp_shapes
 from engine.runner import ModelRunner
 from engine.tp.channel import LORA, STEP, STOP
@@ -32,9 +33,8 @@ class TensorParallelDriver:
         world = config.parallel.tensor_parallel_size
         check_tp_shapes(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, arch.vocab_size, world)
         scheme = resolve_scheme(model_path, config.model.quantization)
-        if scheme is not None and scheme.source != "dense":  # before any worker starts (the loader says it too)
-            raise ModelLoadError(f"{scheme.source} checkpoints are served on one GPU: their tensor-parallel "
-                                 "sharding is not built yet (quantization fp8 or int4 of a dense checkpoint shards)")
+        if scheme is not None:
+            check_tp_cuts(scheme, arch, world)
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
                                "engine per process (shut the other one down first)")
