@@ -13,6 +13,7 @@
 // One 64-byte operand of 16 columns is two 32-byte halves of 8 columns each.
 
 constexpr int kTile = 4;  // activation rows sharing each block's unpacked operands (16 ymm registers)
+constexpr bool kHalfSums = false;  // signed weights go in as |w| and sign: no +128 to take out
 
 inline __m256i broadcast4_256(const int8_t* p) {
   int32_t v;
@@ -77,7 +78,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
           int64_t g1, float* out, int64_t ldo) {
   constexpr int64_t kGroupBytes = group_bytes(QT), kHalves = halves(QT);
   const int64_t nb = a.nb;
-  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(flipped(QT) ? 0x80 : 0));
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wq = qw + g * nb * kGroupBytes;
     const c10::Half* ws = sw + g * nb * kHalves * kCols;
@@ -88,8 +89,10 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
         const uint8_t* wb = wq + b * kGroupBytes + 32 * h;
         __m256i w[8];
         if constexpr (byte_operands(QT)) {
-          for (int s = 0; s < 8; ++s)
-            w[s] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * s)), flip);
+          for (int s = 0; s < 8; ++s) {
+            w[s] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * s));
+            if constexpr (flipped(QT)) w[s] = _mm256_xor_si256(w[s], flip);
+          }
         } else {
           for (int v = 0; v < 4; ++v) {
             const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * v));

@@ -142,6 +142,7 @@ Activations quantize_with(const at::Tensor& x, bool halves, QuantizeBlock quanti
 
 #ifdef SLOTSERVE_INT8_VNNI
 constexpr int kTile = 8;  // activation rows sharing each block's unpacked operands
+constexpr bool kHalfSums = true;  // Q6_K's halves take their +128 out with Activations.c0
 
 inline int32_t quantize_block(const float* xb, int8_t* qb, float& d) {
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
@@ -280,7 +281,7 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& quants,
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == m && out.size(1) == n &&
                   out.stride(1) == 1, "out must be float32 [M, N], rows contiguous");
 #ifdef SLOTSERVE_INT8
-  const Activations a = quantize(x, halves(qtype) == 2);
+  const Activations a = quantize(x, kHalfSums && halves(qtype) == 2);
   const uint8_t* qw = static_cast<const uint8_t*>(quants.data_ptr());
   const c10::Half *sw = scales.data_ptr<c10::Half>(), *mw = mins_of(mins, qtype);
   float* op = out.data_ptr<float>();
