@@ -134,8 +134,11 @@ def test_a_flood_of_many_choice_requests_does_not_hold_the_engine(service):
         _flood_then(service, pool, flood, probes, queued=16)
     assert all(len(s.finish_reasons) == 16 and s.tokens == 16 * 20 for s in flood)
     assert probes[0].finish_reasons == ["length"]
-    probe = probes[0]  # first come, first served, it would wait for every one of A's 48 choices
-    assert sum(probe.sent < s.done < probe.first for s in flood) == 0, "an A request ended while B waited"
+    # First come, first served, B would wait for every one of A's 48 choices: all three of A's requests
+    # would end first. Shared fairly, at most the request whose last choices hold the slots when B arrives
+    # (or whose last tokens are on their way to A's client) ends before B's first token reaches B.
+    probe = probes[0]
+    assert sum(probe.sent < s.done < probe.first for s in flood) <= 1, "A requests ended while B waited"
     _no_leaks(service)
 
 
