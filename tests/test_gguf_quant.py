@@ -134,8 +134,8 @@ MIXED = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_0, "v_proj": Q.Q4_0, "o_proj": Q.Q8_0,
          "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q4_1}
 
 
-def _model_dir(tmp_path, types, tie: bool, hidden: int = 64, head_type=Q.Q8_0):
-    hf = make_model("llama", seed=3, hidden=hidden, layers=2, heads=4, kv_heads=2, tie=tie)
+def _model_dir(tmp_path, types, tie: bool, hidden: int = 64, head_type=Q.Q8_0, layers: int = 2):
+    hf = make_model("llama", seed=3, hidden=hidden, layers=layers, heads=4, kv_heads=2, tie=tie)
     write_gguf(hf, tmp_path / "model.gguf", types, head_type)
     hf.save_pretrained(tmp_path, safe_serialization=True)  # the de-quantized weights: the oracle's
     return hf

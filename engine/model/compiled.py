@@ -206,8 +206,16 @@ class CompiledDecoder:
         self.lora_layers = [m.lora for m in model.modules() if getattr(m, "lora", None) is not None]
         for index, weights in enumerate(self.lora_layers):
             weights.index = index
+        options = {"guard_filter_fn": _inputs_only}
+        if next(model.parameters()).device.type == "cpu":
+            # A fused loop keeps a 16-bit result in float32 where it is reused, and which reuses stay
+            # in registers differs between the one-token and the many-token graph (RMSNorm's variance
+            # of the unrounded residual in one, of the stored bfloat16 one in the other): a row then
+            # rounds by the step's size, and a verified draft or a decode beside others changes
+            # greedy text. Rounding where eager rounds costs 0-2 % a step on a 2-core host.
+            options["emulate_precision_casts"] = True
         self._hidden = torch.compile(_own_code(model.hidden_states), dynamic=True, fullgraph=True,
-                                     options={"guard_filter_fn": _inputs_only})
+                                     options=options)
 
     def __call__(self, input_ids, positions, kv_caches, meta, logits_indices, backend):
         # Eager steps and captured decode steps pass rows of one packed tensor, at offsets that vary
