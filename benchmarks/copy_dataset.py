@@ -2,7 +2,10 @@
 prompts whose answers quote them, as editing, extraction and quoting requests do.
 
 The quoted texts are the model's own greedy paragraphs, so the copies it makes are in its own words
-and a draft that proposes them is accepted as often as the model really copies:
+and a draft that proposes them is accepted as often as the model really copies. Each passage is two
+paragraphs (140-190 tokens), so its copy fills the 128 tokens that `vllm bench serve --ignore-eos` asks
+for: after one paragraph (70-96 tokens) the model's EOS came early, and what it wrote on past the
+ignored EOS (a made-up next conversation) is no copy.
 
     python -m benchmarks.copy_dataset bench-out/copy.jsonl
     DATASET_ARGS="--dataset-name custom --dataset-path bench-out/copy.jsonl --custom-output-len 128" \\
@@ -46,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w") as f:
         for i, text in enumerate(texts):
-            for j, task in enumerate(TASKS):  # every task over every text, interleaved
-                f.write(json.dumps({"prompt": TASKS[(i + j) % len(TASKS)].format(text=text)}) + "\n")
+            passage = f"{text}\n\n{texts[(i + 1) % len(texts)]}"
+            for j in range(len(TASKS)):  # every task over every passage, interleaved
+                f.write(json.dumps({"prompt": TASKS[(i + j) % len(TASKS)].format(text=passage)}) + "\n")
     print(f"wrote {len(texts) * len(TASKS)} prompts to {args.out}")
     return 0
 

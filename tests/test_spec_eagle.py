@@ -327,7 +327,7 @@ def test_logprobs_lora_and_grammars_keep_their_meaning(copy_model, heads, tmp_pa
 
 def test_the_benchmark_heads_and_copy_prompts_are_what_they_say(tmp_path):
     """benchmarks.eagle3_head writes a head of the target's shapes that the engine loads and drafts
-    with; benchmarks.copy_dataset writes each paragraph the model wrote under every copy task."""
+    with; benchmarks.copy_dataset writes passages of two paragraphs the model wrote under every copy task."""
     from benchmarks import copy_dataset
     from benchmarks.eagle3_head import write_random_head
     from tests.factories import make_model_dir
@@ -340,7 +340,8 @@ def test_the_benchmark_heads_and_copy_prompts_are_what_they_say(tmp_path):
     copy_dataset.main([str(tmp_path / "copy.jsonl"), "--model", str(target), "--paragraph-tokens", "6"])
     prompts = [json.loads(line)["prompt"] for line in (tmp_path / "copy.jsonl").read_text().splitlines()]
     assert len(prompts) == len(copy_dataset.TOPICS) * len(copy_dataset.TASKS)
-    for i in range(len(copy_dataset.TOPICS)):  # a paragraph under each task
+    texts = copy_dataset.paragraphs(str(target), 6)
+    for i in range(len(copy_dataset.TOPICS)):  # a passage of two paragraphs under each task
         mine = prompts[i * len(copy_dataset.TASKS):(i + 1) * len(copy_dataset.TASKS)]
-        assert len({p.split("\n\n", 1)[1] for p in mine}) == 1
+        assert {p.split("\n\n", 1)[1] for p in mine} == {f"{texts[i]}\n\n{texts[(i + 1) % len(texts)]}"}
         assert {p.split("\n\n", 1)[0] for p in mine} == {t.split("\n\n")[0] for t in copy_dataset.TASKS}
