@@ -64,13 +64,7 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         self.tp = None  # rank 0's handle on the other tensor-parallel ranks (engine.tp)
         self.drafter: DraftModel | Eagle3Drafter | None = None
         """What fills the drafts a step verifies: engine.spec_draft's model, engine.spec_eagle's head."""
-        if config.parallel.tensor_parallel_size > 1:
-            from engine.tp.driver import start_tensor_parallel
-            self.tp, self.runner = start_tensor_parallel(config, self.model_path, self.arch, self.max_model_len,
-                                                         launcher, self._timings)
-            weakref.finalize(self, self.tp.shutdown)  # no orphan workers if shutdown() is never called
-        else:
-            self.runner = self._start_runners()
+        self.runner = self._start_runners(launcher)
         bs = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         # A request can never hold more tokens than the pool, or it would preempt itself forever.
@@ -100,24 +94,35 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
                     time.monotonic() - started, self.model_path.name, self.arch.architecture, self.max_model_len,
                     self.runner.num_blocks, bs, self.runner.dtype, self.runner.device)
 
-    def _start_runners(self) -> ModelRunner:
-        """The target's runner, and what drafts beside it (``self.drafter``): a draft model or an
-        EAGLE-3 head."""
+    def _start_runners(self, launcher) -> ModelRunner:
+        """The target's runner (rank 0's under tensor parallelism), and what drafts beside it
+        (``self.drafter``): a draft model or an EAGLE-3 head."""
         spec = self.config.speculative_config
         method = None if spec is None else spec.method
+        width, share, aux, draft, head = kv_width(self.arch), 1.0, (), None, None
         if method == "eagle3":
-            path, ea = load_head_arch(self.config, self.arch)
-            width = kv_width(self.arch)
-            runner = ModelRunner(self.config, self.model_path, self.arch, self.max_model_len,
-                                 pool_share=width / (width + kv_width(ea.layer)), aux_layers=ea.aux_layers)
-            self.drafter = Eagle3Drafter(self.config, runner, path, ea)
-            return runner
-        if method != "draft_model":
-            return ModelRunner(self.config, self.model_path, self.arch, self.max_model_len)
-        path, arch = load_draft_arch(self.config, self.arch)
-        runner = ModelRunner(self.config, self.model_path, self.arch, self.max_model_len,
-                             pool_share=kv_width(self.arch) / (kv_width(self.arch) + kv_width(arch)))
-        self.drafter = DraftModel(self.config, path, arch, self.max_model_len, runner.num_blocks, runner.dtype)
+            head = load_head_arch(self.config, self.arch)
+            share, aux = width / (width + kv_width(head[1].layer)), head[1].aux_layers
+        elif method == "draft_model":
+            draft = load_draft_arch(self.config, self.arch)
+            share = width / (width + kv_width(draft[1]))
+        if self.config.parallel.tensor_parallel_size == 1:
+            runner = ModelRunner(self.config, self.model_path, self.arch, self.max_model_len, pool_share=share,
+                                 aux_layers=aux)
+        else:
+            from engine.tp.driver import start_tensor_parallel
+            self.tp, runner = start_tensor_parallel(self.config, self.model_path, self.arch, self.max_model_len,
+                                                    launcher, self._timings, pool_share=share)
+            weakref.finalize(self, self.tp.shutdown)  # no orphan workers if shutdown() is never called
+        try:
+            if head is not None:
+                self.drafter = Eagle3Drafter(self.config, runner, *head)
+            elif draft is not None:
+                self.drafter = DraftModel(self.config, *draft, self.max_model_len, runner.num_blocks, runner.dtype)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
         return runner
 
     @property

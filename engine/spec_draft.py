@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ParallelConfig
 from engine.errors import ModelLoadError
 from engine.model import ModelArch
 from engine.scheduler import ScheduledChunk
@@ -92,8 +92,10 @@ class DraftModel:
                                  f"positions, fewer than max_model_len ({max_model_len})")
         model = dataclasses.replace(config.model, model=spec.model, quantization=spec.quantization, gguf_file=None,
                                     dtype=str(dtype).removeprefix("torch."))
+        # Whole on rank 0 under tensor parallelism: a draft's pass is small, and sharding it would
+        # add a collective per layer to each of its k passes while the other ranks wait anyway.
         draft_config = dataclasses.replace(
-            config, model=model, lora=None, speculative_config=None,
+            config, model=model, lora=None, speculative_config=None, parallel=ParallelConfig(),
             cache=dataclasses.replace(config.cache, num_kv_blocks=num_blocks, kv_cache_memory_gb=None))
         self.runner = ModelRunner(draft_config, path, arch, max_model_len)
         logger.info("draft model %s: %d layers, %d KV blocks beside the target's", path.name, arch.num_layers,

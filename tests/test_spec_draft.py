@@ -14,7 +14,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
 from tests.factories import build_tokenizer, make_model_dir
-from tests.test_spec_decode import BASE, VOCAB, _copying, _prompts, _run, copy_model  # noqa: F401 (a fixture)
+from tests.test_spec_decode import (BASE, VOCAB, _copying, _prompts, _run, copy_model,  # noqa: F401 (a fixture)
+                                    tensor_parallel_matches_one_rank)
 
 
 def _draft(path, k: int = 4) -> dict:
@@ -115,6 +116,16 @@ def test_the_draft_pool_shares_the_kv_budget(copy_model, near_draft):
     assert engine.runner.num_blocks == pytest.approx(plain.runner.num_blocks * 2 / 3, abs=1)
     assert engine.drafter.runner.num_blocks == engine.runner.num_blocks
     assert engine.stats().kv_cache_bytes <= budget_gb * (1 << 30) + 2 * plain.stats().kv_cache_bytes / plain.runner.num_blocks
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_target_with_a_whole_draft_on_rank_0(copy_model, near_draft):
+    """tensor_parallel_size 2: the draft model runs whole beside rank 0's shard and proposes; every
+    rank verifies. The output is TP=1's without drafts (preemption, logprobs and sampling included),
+    and the draft's pool has the target's blocks."""
+    engine = tensor_parallel_matches_one_rank(copy_model[0], _draft(near_draft))
+    assert engine.drafter.runner.group.world_size == 1 and engine.runner.group.world_size == 2
+    assert engine.drafter.runner.num_blocks == engine.runner.num_blocks
 
 
 def test_a_draft_that_cannot_serve_the_target_is_refused_by_name(copy_model, tmp_path):

@@ -16,7 +16,8 @@ from engine.kv.block_manager import BlockManager
 from engine.request import Request
 from engine.spec_decode import Speculator
 from tests.factories import make_lora_dir
-from tests.test_spec_decode import BASE, NGRAM, _prompts, _run, copy_model  # noqa: F401 (a fixture)
+from tests.test_spec_decode import (BASE, NGRAM, _prompts, _run, copy_model,  # noqa: F401 (a fixture)
+                                    tensor_parallel_matches_one_rank)
 
 
 def _both(path, prompts, params, **options):
@@ -151,19 +152,4 @@ def test_tensor_parallel_ranks_verify_drafts_alike(copy_model):
     """With tensor_parallel_size 2 every rank's LM head computes a row per draft position (the step
     message says which chunks verify drafts): the output is TP=1's without drafts, under preemption,
     logprobs and sampling included."""
-    path = copy_model[0]
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
-    prompts = _prompts(24, (20, 26, 30))
-    want, _ = _run(path, prompts, params, num_kv_blocks=16)
-    llm = LLM(str(path), **{**BASE, "num_kv_blocks": 16}, tensor_parallel_size=2, speculative_config=NGRAM)
-    try:
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        stats = llm.engine.stats()
-    finally:
-        llm.shutdown()
-    assert _tokens(got) == _tokens(want)
-    assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
-    for a, b in zip(want[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
-        assert sorted(a) == sorted(b) and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    tensor_parallel_matches_one_rank(copy_model[0], NGRAM)

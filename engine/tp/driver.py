@@ -140,13 +140,14 @@ class TensorParallelDriver:
 
 
 def start_tensor_parallel(config: EngineConfig, model_path: Path, arch: ModelArch, max_model_len: int,
-                          launcher: RankLauncher | None, timings: dict | None) -> tuple[TensorParallelDriver,
-                                                                                        ModelRunner]:
-    """Start the workers and rank 0's runner (loading in parallel); all or nothing."""
+                          launcher: RankLauncher | None, timings: dict | None,
+                          pool_share: float = 1.0) -> tuple[TensorParallelDriver, ModelRunner]:
+    """Start the workers and rank 0's runner (loading in parallel); all or nothing. ``pool_share``:
+    rank 0's (a draft model beside it takes the rest; the ranks agree on the smallest pool)."""
     driver = TensorParallelDriver(config, model_path, arch, max_model_len, launcher, timings)
     try:
         runner = ModelRunner(config, model_path, arch, max_model_len, driver.group, driver.device,
-                             agree_blocks=driver.agree_blocks)
+                             agree_blocks=driver.agree_blocks, pool_share=pool_share)
         driver.attach(runner)
     except BaseException:
         driver.shutdown(timeout_s=0.0)
