@@ -169,8 +169,8 @@ class SpeculativeConfig:
     quantization: Literal[QUANTIZATIONS] | None = None
     """The draft model's weights, as ``model.quantization`` (None: its dtype, de-quantized)."""
     draft_tensor_parallel_size: Int = Field(1, ge=1, le=1)
-    """The draft runs on the target's first device, whole, also under tensor parallelism: rank 0
-    proposes, every rank verifies (vLLM's name; only 1 here)."""
+    """The draft model or head runs on the target's first device, whole, also under tensor
+    parallelism: rank 0 proposes, every rank verifies (vLLM's name; only 1 here)."""
     num_speculative_tokens: Int = Field(ge=1, le=16)
     """Draft tokens per step and request (k): a verifying request computes 1 + k tokens."""
     prompt_lookup_min: Int = Field(2, ge=1)
@@ -234,17 +234,6 @@ class EngineConfig:
     stuck. It must exceed the slowest step (the first one warms the model up; without
     chunked prefill one step holds a whole prompt). A hang shows within this plus one
     health-check period; set it near ``health_check_period_s`` where steps are short."""
-
-    @field_validator("speculative_config")
-    @classmethod
-    def _speculation_alone(cls, value: SpeculativeConfig | None, info: ValidationInfo) -> SpeculativeConfig | None:
-        parallel = info.data.get("parallel")
-        # An EAGLE-3 head reads the target's embedding, which tensor parallelism splits by vocabulary.
-        if (value is not None and value.method == "eagle3" and parallel is not None
-                and parallel.tensor_parallel_size > 1):
-            raise ValueError("method 'eagle3' is not supported with tensor_parallel_size > 1 yet "
-                             "(methods 'ngram' and 'draft_model' are)")
-        return value
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":

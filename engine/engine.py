@@ -112,7 +112,7 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         else:
             from engine.tp.driver import start_tensor_parallel
             self.tp, runner = start_tensor_parallel(self.config, self.model_path, self.arch, self.max_model_len,
-                                                    launcher, self._timings, pool_share=share)
+                                                    launcher, self._timings, pool_share=share, aux_layers=aux)
             weakref.finalize(self, self.tp.shutdown)  # no orphan workers if shutdown() is never called
         try:
             if head is not None:

@@ -90,6 +90,8 @@ class ModelRunner:
         self.model = load_model(model_path, arch, self.group, self.backend, self.dtype, self.device, max_model_len,
                                 None if scheme is None or scheme.source == "dense" else scheme)
         self.model.aux_layers = aux_layers  # before it is compiled: the graph returns them
+        self.whole_embedding: torch.Tensor | None = None
+        """Under tensor parallelism, with an EAGLE-3 head: every rank's embedding rows (engine.tp.driver)."""
         self.aux_rows: dict[int, int] = {}
         """Each chunk's first row in the last step's ``model.aux_out``, by ``id(chunk)``."""
         weights = str(self.dtype).removeprefix("torch.")

@@ -19,11 +19,13 @@ may differ: drafts are only proposals (engine.spec_verify keeps exactly the targ
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import create_backend
 from engine.attention.block_table import BlockTable
@@ -70,6 +72,8 @@ class Eagle3Drafter:
         if cpu_prepack_supported(runner.device, runner.dtype):  # unpacked, its small GEMMs cost 3-4x more
             self.head.prepack(config.scheduler.max_num_seqs, amx_supported(runner.device, runner.dtype))
         self.target = runner.model
+        table = runner.whole_embedding  # under tensor parallelism the target's own is split by vocabulary
+        self.embed = self.target.embed_tokens if table is None else functools.partial(F.embedding, weight=table)
         self.kv_cache = self.backend.allocate_cache(runner.num_blocks + 1, runner.dtype, runner.device)
         self.block_table = BlockTable(config.scheduler.max_num_seqs, -(-runner.max_model_len // runner.block_size),
                                       runner.device, pad_block=runner.num_blocks)
@@ -86,7 +90,7 @@ class Eagle3Drafter:
         sampling, ids, positions, meta, logits_idx = build_step_inputs(passes, self.block_size, self.device,
                                                                        self.block_table)
         self.backend.plan(meta)
-        out = self.head(ids, hidden, positions, self.kv_cache, meta, self.target.embed_tokens)
+        out = self.head(ids, hidden, positions, self.kv_cache, meta, self.embed)
         return sampling, out.index_select(0, logits_idx[:len(sampling)])
 
     @torch.inference_mode()

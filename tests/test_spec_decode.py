@@ -93,13 +93,17 @@ def _run(path, prompts, params, **options):
     return outs, llm.engine
 
 
+TP_PARAMS = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+TP_PROMPTS = _prompts(24, (20, 26, 30))
+
+
 def tensor_parallel_matches_one_rank(path, speculative_config):
-    """tensor_parallel_size 2 with ``speculative_config`` against TP=1 without drafts: the same tokens,
-    under preemption, logprobs (within 1e-4) and seeded sampling included; returns the engine."""
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
-    prompts = _prompts(24, (20, 26, 30))
+    """tensor_parallel_size 2 with ``speculative_config`` against TP=1 without drafts: the same tokens
+    for ``TP_PROMPTS`` (16 KV blocks: preemption), logprobs (within 1e-4) and seeded sampling included;
+    returns (the engine, its stats)."""
+    params, prompts = TP_PARAMS, TP_PROMPTS
     want, _ = _run(path, prompts, params, num_kv_blocks=16)
     llm = LLM(str(path), **{**BASE, "num_kv_blocks": 16}, tensor_parallel_size=2,
               speculative_config=speculative_config)
@@ -114,7 +118,7 @@ def tensor_parallel_matches_one_rank(path, speculative_config):
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
     for a, b in zip(want[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
         assert sorted(a) == sorted(b) and all(abs(a[t] - b[t]) < 1e-4 for t in a)
-    return llm.engine
+    return llm.engine, stats
 
 
 def _same(path, prompts, params, **options):
@@ -164,11 +168,9 @@ def test_config_names_the_field_and_what_is_allowed():
     with pytest.raises(ValueError, match="prompt_lookup_max must be >= prompt_lookup_min"):
         EngineConfig.from_options("m", speculative_config={**NGRAM, "prompt_lookup_min": 4})
     assert EngineConfig.from_options("m", speculative_config=NGRAM, tensor_parallel_size=2).speculative_config
-    assert EngineConfig.from_options("m", tensor_parallel_size=2, speculative_config={
-        "method": "draft_model", "model": "d", "num_speculative_tokens": 2}).speculative_config
-    with pytest.raises(ValueError, match="method 'eagle3' is not supported with tensor_parallel_size > 1"):
-        EngineConfig.from_options("m", tensor_parallel_size=2, speculative_config={
-            "method": "eagle3", "model": "d", "num_speculative_tokens": 2})
+    for method in ("draft_model", "eagle3"):
+        assert EngineConfig.from_options("m", tensor_parallel_size=2, speculative_config={
+            "method": method, "model": "d", "num_speculative_tokens": 2}).speculative_config
 
 
 # ---------------------------------------------------------------------------- exact greedy output

@@ -123,7 +123,7 @@ def test_tensor_parallel_target_with_a_whole_draft_on_rank_0(copy_model, near_dr
     """tensor_parallel_size 2: the draft model runs whole beside rank 0's shard and proposes; every
     rank verifies. The output is TP=1's without drafts (preemption, logprobs and sampling included),
     and the draft's pool has the target's blocks."""
-    engine = tensor_parallel_matches_one_rank(copy_model[0], _draft(near_draft))
+    engine, _ = tensor_parallel_matches_one_rank(copy_model[0], _draft(near_draft))
     assert engine.drafter.runner.group.world_size == 1 and engine.runner.group.world_size == 2
     assert engine.drafter.runner.num_blocks == engine.runner.num_blocks
 

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
 from tests.factories import make_model
-from tests.test_spec_decode import BASE, VOCAB, _copying, _prompts, _run, copy_model  # noqa: F401 (a fixture)
+from tests.test_spec_decode import (BASE, TP_PARAMS, TP_PROMPTS, VOCAB, _copying, _prompts, _run,  # noqa: F401
+                                    copy_model, tensor_parallel_matches_one_rank)
 
 def _eagle(path, k: int = 3) -> dict:
     return {"method": "eagle3", "model": str(path), "num_speculative_tokens": k, "cost_model": False}
@@ -161,19 +162,25 @@ def near_weights(vocab: int = VOCAB, attention: float = 0.0, embedding_stream: i
     return w
 
 
-@pytest.mark.parametrize("speculators", [False, True], ids=["eagle3-layout", "speculators-layout"])
-def test_drafts_are_the_heads_greedy_chain_over_the_targets_hidden_states(copy_model, tmp_path, speculators):
+@pytest.mark.parametrize("speculators,tp", [(False, 1), (True, 1), (False, 2)],
+                         ids=["eagle3-layout", "speculators-layout", "eagle3-layout-tp2"])
+def test_drafts_are_the_heads_greedy_chain_over_the_targets_hidden_states(copy_model, tmp_path, speculators, tp):
     """Prompts in chunks of 16 beside verifying decodes: the head catches up across chunks and after
     each verify (accepted drafts included), and each proposal equals the reference's, computed afresh
-    from the request's tokens. The head's attention counts: its drafts read its KV."""
+    from the request's tokens. The head's attention counts: its drafts read its KV and the embedding
+    of its tokens (with tensor_parallel_size 2, rank 0's copy of every rank's rows)."""
     w = near_weights(attention=0.5, embedding_stream=1)
     head = write_head(tmp_path / "head", w, VOCAB, aux=(1, 0, 1), speculators=speculators)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = _prompts(7, (5, 19, 40))
     want, _ = _run(copy_model[0], prompts, params, **BASE)
-    llm = LLM(str(copy_model[0]), **{**BASE, "max_num_batched_tokens": 16}, speculative_config=_eagle(head, 3))
+    llm = LLM(str(copy_model[0]), **{**BASE, "max_num_batched_tokens": 16}, tensor_parallel_size=tp,
+              speculative_config=_eagle(head, 3))
     proposals = _record_proposals(llm.engine)
-    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    try:
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats = llm.engine.stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
@@ -290,8 +297,23 @@ def test_options_that_do_not_apply_are_refused(copy_model, heads):
         LLM(str(copy_model[0]), **BASE, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="quantization is the draft model's"):
         LLM(str(copy_model[0]), **BASE, speculative_config={**_eagle(heads["near"]), "quantization": "int8"})
-    with pytest.raises(ValueError, match="method 'eagle3' is not supported with tensor_parallel_size > 1"):
-        LLM(str(copy_model[0]), **BASE, tensor_parallel_size=2, speculative_config=_eagle(heads["near"]))
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_target_with_the_head_on_rank_0(copy_model, heads):
+    """tensor_parallel_size 2: rank 0 keeps the layers' streams for the head and gets every rank's
+    embedding rows at start, so the head drafts as it does on one rank; every rank verifies."""
+    from safetensors.torch import load_file
+
+    engine, stats = tensor_parallel_matches_one_rank(copy_model[0], _eagle(heads["near"]))
+    assert engine.runner.group.world_size == 2
+    embed = load_file(copy_model[0] / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(engine.runner.whole_embedding, embed)  # both halves of the vocabulary
+    _, one_rank = _run(copy_model[0], TP_PROMPTS, TP_PARAMS, num_kv_blocks=16, speculative_config=_eagle(heads["near"]))
+    alone = one_rank.stats()
+    assert stats.spec_decode_num_accepted_tokens_per_pos[0] > 0
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_accepted_tokens_per_pos) == \
+           (alone.spec_decode_num_drafts, alone.spec_decode_num_accepted_tokens_per_pos)
 
 
 def test_logprobs_lora_and_grammars_keep_their_meaning(copy_model, heads, tmp_path):

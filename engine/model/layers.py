@@ -281,6 +281,13 @@ class VocabParallelEmbedding(nn.Module):
             return quant_rows(ids, self).to(self.weight.dtype)  # the emptied dense weight keeps the model's dtype
         return F.embedding(ids, self.weight)
 
+    def gathered(self) -> torch.Tensor | None:
+        """The whole vocabulary's rows (de-quantized, in the model's dtype) on rank 0, None elsewhere:
+        a collective every rank calls once. An EAGLE-3 head on rank 0 looks its draft tokens up in it."""
+        rows = self._rows(torch.arange(self.shard_size, device=self.weight.device))
+        whole = self.group.gather_last_dim(rows.t())
+        return None if whole is None else whole.t().contiguous()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
             return self._rows(ids)

@@ -21,6 +21,7 @@ from engine.runner import ModelRunner
 from engine.tp.channel import LORA, STEP, STOP
 from engine.tp.launcher import ProcessLauncher, RankLauncher
 from engine.tp.messages import StepEncoder
+from engine.tp.worker import head_reads_embedding
 from engine.tp.rendezvous import RankSpec, StartupWatch, join, leave, open_store
 
 logger = logging.getLogger(__name__)
@@ -140,15 +141,18 @@ class TensorParallelDriver:
 
 
 def start_tensor_parallel(config: EngineConfig, model_path: Path, arch: ModelArch, max_model_len: int,
-                          launcher: RankLauncher | None, timings: dict | None,
-                          pool_share: float = 1.0) -> tuple[TensorParallelDriver, ModelRunner]:
-    """Start the workers and rank 0's runner (loading in parallel); all or nothing. ``pool_share``:
-    rank 0's (a draft model beside it takes the rest; the ranks agree on the smallest pool)."""
+                          launcher: RankLauncher | None, timings: dict | None, pool_share: float = 1.0,
+                          aux_layers: tuple[int, ...] = ()) -> tuple[TensorParallelDriver, ModelRunner]:
+    """Start the workers and rank 0's runner (loading in parallel); all or nothing. ``pool_share`` and
+    ``aux_layers``: rank 0's, for what drafts beside it (engine.runner.ModelRunner); the ranks agree on
+    the smallest pool."""
     driver = TensorParallelDriver(config, model_path, arch, max_model_len, launcher, timings)
     try:
         runner = ModelRunner(config, model_path, arch, max_model_len, driver.group, driver.device,
-                             agree_blocks=driver.agree_blocks, pool_share=pool_share)
+                             agree_blocks=driver.agree_blocks, pool_share=pool_share, aux_layers=aux_layers)
         driver.attach(runner)
+        if head_reads_embedding(config):
+            runner.whole_embedding = runner.model.embed_tokens.gathered()
     except BaseException:
         driver.shutdown(timeout_s=0.0)
         raise

@@ -20,6 +20,13 @@ from engine.tp.rendezvous import RankSpec, join, leave, open_store, report_error
 logger = logging.getLogger(__name__)
 
 
+def head_reads_embedding(config) -> bool:
+    """An EAGLE-3 head on rank 0 looks draft tokens up in the target's embedding, which the ranks split
+    by vocabulary: at start every rank sends its rows to rank 0 (a head with its own table ignores them)."""
+    spec = config.speculative_config
+    return spec is not None and spec.method == "eagle3"
+
+
 def _prepare_device(spec: RankSpec) -> None:
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
@@ -43,6 +50,8 @@ def run_rank(spec: RankSpec) -> None:
         runner = ModelRunner(spec.config, Path(spec.model_path), arch, spec.max_model_len, group, spec.device,
                              agree_blocks=lambda blocks, nbytes: report_ready(store, spec.rank, blocks, nbytes))
         group.all_reduce(torch.zeros(1, device=runner.device))  # rank 0 does the same: NCCL comms are up
+        if head_reads_embedding(spec.config):
+            runner.model.embed_tokens.gathered()  # rank 0's EAGLE-3 head gets the whole table
     except BaseException as exc:
         report_error(store, spec.rank, exc)
         raise
