@@ -3,6 +3,7 @@ running, on prompts whose answers quote them ("copy") and on open-ended ones ("f
 process, one engine after the other:
 
     python -m benchmarks.speculative --levels 1,4,8,16
+    python -m benchmarks.speculative --methods off,draft --levels 1 --k 1,2,3,4,5 --always  # by k
 
 Methods: ``off``; ``ngram`` (prompt lookup); ``draft`` (``draft_model``: the model's own GGUF file
 as the draft of its de-quantized weights, so the draft reads ~5x fewer bytes a step and agrees
@@ -40,12 +41,18 @@ FREE = ["Write a short poem about the sea.", "Explain gravity simply.", "Tell a 
 WORKLOADS = {"copy": COPY, "free": FREE}
 
 
-def _methods(names: list[str], model: str, k: int, cost_model: bool, head: str) -> dict[str, dict | None]:
-    spec = {"num_speculative_tokens": k, "disable_by_batch_size": None, "cost_model": cost_model}
-    known = {"off": None, "ngram": {"method": "ngram", **spec},
-             "draft": {"method": "draft_model", "model": model, "quantization": "gguf", **spec},
-             "eagle3": {"method": "eagle3", "model": head, **spec}}
-    return {n: known[n] for n in names}
+def _methods(names: list[str], model: str, ks: list[int], cost_model: bool, head: str) -> dict[str, dict | None]:
+    """Each method's speculative_config by its label: ``off`` once, the others once per k (labelled
+    ``draft k=2`` and so on when several k are swept)."""
+    runs: dict[str, dict | None] = {}
+    for name in names:
+        for k in ([0] if name == "off" else ks):
+            spec = {"num_speculative_tokens": k, "disable_by_batch_size": None, "cost_model": cost_model}
+            known = {"off": None, "ngram": {"method": "ngram", **spec},
+                     "draft": {"method": "draft_model", "model": model, "quantization": "gguf", **spec},
+                     "eagle3": {"method": "eagle3", "model": head, **spec}}
+            runs[name if name == "off" or len(ks) == 1 else f"{name} k={k}"] = known[name]
+    return runs
 
 
 def _chat(llm, prompts: list[str]) -> list[dict]:
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--levels", default="1,4,8,16")
     ap.add_argument("--methods", default="off,ngram,draft")
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", default="4", help="num_speculative_tokens, or several to sweep (1,2,3,4,5)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -121,11 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     from engine.cpu_features import host_cpu
 
     levels = [int(v) for v in args.levels.split(",")]
+    ks = [int(v) for v in args.k.split(",")]
     report = {"environment": {"host_cpu": host_cpu()}, "model": args.model, "k": args.k, "dtype": args.dtype,
               "quantization": args.quantization,
               "eagle3_head": head,
               "max_tokens": args.max_tokens, "cost_model": not args.always, "results": {}}
-    for method, spec in _methods(args.methods.split(","), args.model, args.k, not args.always, head).items():
+    for method, spec in _methods(args.methods.split(","), args.model, ks, not args.always, head).items():
         llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(levels),
                   speculative_config=spec)
         cells = report["results"][method] = {}
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 if base is not None:
                     cell["same_as_off"] = cell["outputs"] == base["outputs"]
                     cell["speedup"] = round(base["ms_per_token"] / cell["ms_per_token"], 2)
-                print(f"{method:>6} {workload}: {level:>2} running: {cell['ms_per_token']:7.1f} ms/token"
+                print(f"{method:>10} {workload}: {level:>2} running: {cell['ms_per_token']:7.1f} ms/token"
                       f"  speed-up {cell.get('speedup', 1.0):.2f}x  acceptance {cell['acceptance']}"
                       f"  same output {cell.get('same_as_off', True)}", flush=True)
         llm.shutdown()
