@@ -274,12 +274,26 @@ def test_quantized_checkpoint_sharded_gives_tp1_tokens_and_hf(checkpoints, fmt):
     de-quantized weights; greedy tokens equal TP=1's and HF's on those weights, prompt log-probabilities
     within 1e-4 nats. With the interpreter the ranks run the kernels; without it each rank de-quantizes
     its cut at load."""
+    import engine.model.quant_checkpoint as qc
+
     path, weights, oracle = checkpoints(fmt)
     requests = [{"prompt_token_ids": p} for p in PROMPTS]
     tp1 = LLM(str(path), **OPTIONS)
     tp1_tokens = _tokens(tp1.generate(requests, GREEDY))
     del tp1
-    llm = LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+    shares = []  # rank 0 loads in this process: what it read of each large tensor
+    read_share = qc.read_share
+
+    def counted(sl, *args):
+        shares.append((read_share(sl, *args), sl.get_shape()))
+        return shares[-1][0]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qc, "read_share", counted)
+        llm = LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+    read = [(t, shape) for t, shape in shares if t is not None]  # None: small tensors, read whole
+    # every layer's seven large tensors, each read as half of its whole
+    assert len(read) == 2 * 7 and all(2 * t.numel() == torch.Size(shape).numel() for t, shape in read)
     try:
         for layer, block in enumerate(llm.engine.runner.model.layers):
             for fused in FUSED:
@@ -319,3 +333,40 @@ def test_the_loader_cuts_scale_blocks_whole_or_refuses():
     with pytest.raises(ModelLoadError, match=r"layers.0.mlp.down_proj: tensor parallelism splits its input "
                                              r"features at 64 and 192, inside its 128-wide scale blocks"):
         _fp8_parts(["layers.0.mlp.down_proj"], [part], scheme, [(None, slice(64, 192))])
+
+
+@pytest.mark.parametrize("source", ["awq", "gptq", "compressed-tensors"])
+def test_a_rank_reads_its_share_of_a_large_tensor_as_the_whole_tensor_cut(tmp_path, source):
+    """``read_share`` reads only a rank's rows or input features of an int4 ``qweight`` or an FP8
+    weight from the file; the layer built from it equals the one built from the whole tensor cut
+    after reading. A cut that is no whole packed word is read whole (the builder cuts or refuses)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine.model.gpu_quant import QuantScheme
+    from engine.model.quant_checkpoint import CUT, SHAPES, _fp8_parts, _int4_parts, read_share
+
+    gen = torch.Generator().manual_seed(3)
+    words = lambda *shape: torch.randint(-2 ** 31, 2 ** 31 - 1, shape, generator=gen, dtype=torch.int32)  # noqa: E731
+    n = k = 256
+    if source == "compressed-tensors":
+        scheme, big = QuantScheme("fp8", source), "weight"
+        tensors = {"weight": torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn), "weight_scale": torch.rand(n, 1)}
+    else:
+        scheme, big = QuantScheme("int4", source, group=32), "qweight"
+        tensors = {"qweight": words(k, n // 8) if source == "awq" else words(k // 8, n),
+                   "qzeros": words(k // 32, n // 8), "scales": torch.rand(k // 32, n, generator=gen).half()}
+    save_file(tensors, tmp_path / "layer.safetensors")
+    build = _fp8_parts if scheme.kind == "fp8" else _int4_parts
+    with safe_open(tmp_path / "layer.safetensors", "pt") as f:
+        for shard in [(slice(128, 256), None), (None, slice(0, 128))]:
+            share = read_share(f.get_slice(big), big, source, shard)
+            assert 2 * share.numel() == tensors[big].numel()
+            held = {**tensors, big: share, CUT: True, SHAPES: {big: tuple(tensors[big].shape)}}
+            got, want = build(["l"], [held], scheme, [shard]), build(["l"], [dict(tensors)], scheme, [shard])
+            assert all(torch.equal(a.float(), b.float()) for a, b in zip(got.buffers(), want.buffers()))
+        assert read_share(f.get_slice(big), big, source, (None, None)) is None  # one rank: whole
+        assert read_share(f.get_slice("scales" if big == "qweight" else "weight_scale"),
+                          "scales", source, (slice(64, 128), None)) is None  # small tensors: whole
+        if source == "awq":
+            assert read_share(f.get_slice(big), big, source, (slice(60, 124), None)) is None

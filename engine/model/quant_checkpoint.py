@@ -7,8 +7,9 @@ one product. A layer the checkpoint left dense (its ``ignore`` list) loads as be
 
 Under tensor parallelism each part is cut to the rank's share before it is joined, as the dense
 loaders cut theirs: output rows with their scales (any rows: scales are per row once read), or
-input features with their groups or scale blocks whole (a cut inside one is refused). Each rank
-reads the layer's whole tensors to cut them.
+input features with their groups or scale blocks whole (a cut inside one is refused). A rank reads
+only its share of the large tensors (an FP8 weight, an int4 ``qweight``) from the file; scales, zero
+points and ``g_idx`` are read whole (1/16 or less of a weight's bytes) and cut with the rest.
 """
 
 from __future__ import annotations
@@ -66,25 +67,54 @@ def _cut_error(name: str, cols: slice, width: int, what: str) -> ModelLoadError:
                           "between them")
 
 
+CUT = "cut"
+"""Marks a part whose large tensor (``weight`` or ``qweight``) was read as the rank's share only."""
+SHAPES = "shapes"
+"""A part's whole tensor shapes in the file, by suffix, where a share was read."""
+
+
+def _whole_shape(part: dict, suffix: str) -> tuple[int, ...]:
+    return part.get(SHAPES, {}).get(suffix) or tuple(part[suffix].shape)
+
+
+def read_share(sl, suffix: str, source: str, shard: Shard) -> torch.Tensor | None:
+    """This rank's share of a large tensor straight from the file (``sl``: a safetensors slice), in
+    its own layout; None where it has none (whole reads: one rank, small tensors, or a cut that is no
+    whole packed word, which the part's builder refuses or cuts itself)."""
+    rows, cols = shard
+    if (rows is None and cols is None) or suffix not in ("weight", "qweight"):
+        return None
+    everything = slice(None)
+    if suffix == "weight":  # FP8 [N, K]
+        return sl[rows or everything, cols or everything]
+    if source == "awq":  # [K, N / 8]: output features packed by eight along the columns
+        if rows is not None and (rows.start % 8 or rows.stop % 8):
+            return None
+        return sl[cols or everything, slice(rows.start // 8, rows.stop // 8) if rows else everything]
+    if cols is not None and (cols.start % 8 or cols.stop % 8):  # gptq [K / 8, N]: input features by eight
+        return None
+    return sl[slice(cols.start // 8, cols.stop // 8) if cols else everything, rows or everything]
+
+
 def _fp8_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: QuantScheme,
                shards: list[Shard] | None = None) -> QuantWeights:
     weights, scales, widths = [], [], set()
     shards = shards or [(None, None)] * len(parts)
-    k = parts[0]["weight"].shape[1]
+    k = _whole_shape(parts[0], "weight")[1]
     for name, p, (rows, cols) in zip(names, parts, shards):
-        w = p["weight"]
+        w, (n, wk), read_cut = p["weight"], _whole_shape(p, "weight"), CUT in p
         s = p.get("weight_scale_inv", p.get("weight_scale"))
         if s is None:
             raise ModelLoadError(f"{name}: an FP8 weight without weight_scale or weight_scale_inv")
-        if w.shape[1] != k:
-            raise ModelLoadError(f"{name}: weight has {w.shape[1]} input features, expected {k}")
-        s, width = _fp8_scale(name, s, w.shape[0], k, scheme.block)
+        if wk != k:
+            raise ModelLoadError(f"{name}: weight has {wk} input features, expected {k}")
+        s, width = _fp8_scale(name, s, n, k, scheme.block)
         if rows is not None:  # a scale per row (blocks repeated over theirs): any rows cut cleanly
-            w, s = w[rows], s[rows]
+            w, s = (w if read_cut else w[rows]), s[rows]
         if cols is not None:
             if width is not None and (cols.start % width or (cols.stop % width and cols.stop != k)):
                 raise _cut_error(name, cols, width, "scale blocks")
-            w = w[:, cols]
+            w = w if read_cut else w[:, cols]
             s = s[:, cols.start // width:-(-cols.stop // width)] if width is not None else s
         widths.add(width)
         weights.append(w.to(torch.float8_e4m3fn))
@@ -109,27 +139,29 @@ def _int4_parts(names: list[str], parts: list[dict[str, torch.Tensor]], scheme: 
         missing = [t for t in ("qweight", "qzeros", "scales") if t not in p]
         if missing:
             raise ModelLoadError(f"{name}: {scheme.source} layer lacks {', '.join(missing)}")
+        read_cut, (pk, pn) = CUT in p, _whole_shape(p, "qweight")
         if scheme.source == "awq":  # qweight [K, N / 8], interleaved nibbles
             q = unpack_columns(p["qweight"], AWQ_ORDER)
             z = unpack_columns(p["qzeros"], AWQ_ORDER)
+            k, n = pk, pn * 8
         else:  # gptq: qweight [K / 8, N], rows packed in order
             q = unpack_rows(p["qweight"])
             z = unpack_columns(p["qzeros"]) + scheme.zero_offset
-            if "g_idx" in p and not torch.equal(p["g_idx"].long(), torch.arange(q.shape[0]) // g):
+            k, n = pk * 8, pn
+            if "g_idx" in p and not torch.equal(p["g_idx"].long(), torch.arange(k) // g):
                 raise ModelLoadError(f"{name}: g_idx reorders the input features (act-order); "
                                      "quantize with desc_act false")
         s = p["scales"]
-        k, n = q.shape
         if k % g or tuple(s.shape) != (k // g, n) or tuple(z.shape) != (k // g, n):
             raise ModelLoadError(f"{name}: qweight is {k} x {n} but scales are {tuple(s.shape)} and zero "
                                  f"points {tuple(z.shape)}; group size {g} needs {k // g} x {n}")
         if rows is not None:  # output features are this layout's columns
-            q, s, z = q[:, rows], s[:, rows], z[:, rows]
+            q, s, z = (q if read_cut else q[:, rows]), s[:, rows], z[:, rows]
         if cols is not None:
             if cols.start % g or cols.stop % g:
                 raise _cut_error(name, cols, g, "groups")
             groups = slice(cols.start // g, cols.stop // g)
-            q, s, z = q[cols], s[groups], z[groups]
+            q, s, z = (q if read_cut else q[cols]), s[groups], z[groups]
         q_all.append(q)
         s_all.append(s.half())
         z_all.append(z.half())
@@ -190,7 +222,14 @@ class QuantCollector:
         module = pname.removesuffix(".weight")
         if not module.endswith(LINEARS):
             raise ModelLoadError(f"{name}: only the decoder's linear layers can be quantized, not {module}")
-        self.parts.setdefault(module, {}).setdefault(part, {})[suffix] = f.get_tensor(name)
+        held = self.parts.setdefault(module, {}).setdefault(part, {})
+        sl = f.get_slice(name)
+        share = read_share(sl, suffix, self.scheme.source, _shard_of(self.model.get_submodule(module), part))
+        if share is None:
+            held[suffix] = f.get_tensor(name)
+        else:
+            held[suffix], held[CUT] = share, True
+            held.setdefault(SHAPES, {})[suffix] = tuple(sl.get_shape())
         return True
 
     def finish(self, device: torch.device, dtype: torch.dtype) -> set[tuple[str, object]]:
