@@ -21,8 +21,8 @@ from engine.runner import ModelRunner
 from engine.tp.channel import LORA, STEP, STOP
 from engine.tp.launcher import ProcessLauncher, RankLauncher
 from engine.tp.messages import StepEncoder
-from engine.tp.worker import head_reads_embedding
 from engine.tp.rendezvous import RankSpec, StartupWatch, join, leave, open_store
+from engine.tp.worker import head_reads_embedding
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
