@@ -55,3 +55,28 @@ def test_benchmark_mix_writes_q6_k_that_gguf_reads_back(tmp_path):
     assert types.get("Q6_K") == 2  # each layer's ffn_down
     reader = gguf.GGUFReader(tmp_path / "mix.gguf")
     assert {t.tensor_type.name for t in reader.tensors if "ffn_down" in t.name} == {"Q6_K"}
+
+
+def test_step_floor_counts_the_bytes_a_decode_step_reads(tmp_path):
+    """benchmarks.step_floor: every weight once a step, plus each running request's whole context of K
+    and V in every layer (the tiny model: 2 layers, 2 KV heads of 16); the floor is those bytes over
+    the measured bandwidth, and the linear layers are timed alone at each level."""
+    import json
+
+    import torch
+
+    from benchmarks.step_floor import main
+    _model_dir(tmp_path, MIXED, tie=False)
+    out = tmp_path / "floor.json"
+    assert main(["--model", str(tmp_path), "--levels", "1,3", "--prompt-len", "8", "--max-tokens", "4",
+                 "--rounds", "1", "--read-mib", "64", "--options", '{"enforce_eager": true}', "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    element = torch.empty(0, dtype=getattr(torch, report["dtype"].removeprefix("torch."))).element_size()
+    assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * element
+    bandwidth = report["read_bandwidth_gb_s"] * 1e9
+    for level, row in report["levels"].items():
+        # decode steps start with contexts of 9, 10 and 11 tokens (8 prompt, then 1 to 3 outputs)
+        read = report["weight_bytes"] + int(level) * 10 * report["kv_bytes_per_token"]
+        assert abs(row["bytes_per_step"] - read) < 1
+        assert abs(row["floor_ms_per_step"] - read / bandwidth * 1e3) < 0.01 + 0.01 * row["floor_ms_per_step"]
+        assert row["linear_layers_ms"] > 0 and row["linear_layers_gmac_s"] > 0

@@ -39,7 +39,8 @@ torch.save([ops.gguf_mm_packed(x, q, s, m, t, 1 << 16) for x, q, s, m, t in torc
 
 def _cases() -> list[tuple]:
     """Packed weights of 4 groups of 16 columns and 3 blocks (random bytes are valid quants, but for
-    Q5_1's five bits), against every row count a tile of 4 (AVX2) or 8 (VNNI) leaves a remainder of."""
+    Q5_1's five bits), against every row count a tile of 4 (AVX2) or 8 (VNNI) leaves a remainder of, in
+    float32 and in bfloat16 (whose outputs each path rounds on its own)."""
     gen = torch.Generator().manual_seed(0)
     cases = []
     # Q4_0, Q4_1 (nibbles), Q5_1, Q8_0 (bytes), Q6_K (bytes, a scale per 16 weights)
@@ -48,7 +49,8 @@ def _cases() -> list[tuple]:
         scales = (torch.rand(4, 3 * 16 * halves, generator=gen) * 0.02).half()
         mins = (-torch.rand(4, 3 * 16, generator=gen) * 0.1).half()
         for rows in (1, 3, 4, 5, 8, 9, 17):
-            cases.append((torch.randn(rows, 96, generator=gen), quants, scales, mins, qtype))
+            x = torch.randn(rows, 96, generator=gen)
+            cases += [(x, quants, scales, mins, qtype), (x.bfloat16(), quants, scales, mins, qtype)]
     return cases
 
 

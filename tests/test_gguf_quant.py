@@ -130,6 +130,30 @@ def test_int8_kernel_within_the_activations_rounding(qtype):
             assert (err <= bound + 1e-4).all(), (rows, (err - bound).max().item())
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_int8_kernel_takes_bfloat16_rows_as_their_float32_values(qtype):
+    """A bfloat16 model's rows go into the int8 kernel as they are and come out in bfloat16: bitwise the
+    float32 rows' outputs rounded to nearest even, as a tensor conversion rounds them, at every tile
+    remainder, for row-strided inputs too, and into a float32 ``out``."""
+    if not _int8_ready():
+        pytest.skip("the int8 kernel needs AVX-512 VNNI or AVX2")
+    from engine.model.quant import KERNEL_TYPES, QUANT_MAX_ROWS, pack_int8
+    ops = _ops()
+    kernel_type = KERNEL_TYPES[qtype.name][0]
+    gen = torch.Generator().manual_seed(2)
+    n, k = 48, 512
+    packed = pack_int8(_quantize(torch.randn(n, k, generator=gen).numpy(), qtype), qtype.name, k)
+    for rows in (1, 3, 8, 9, 17):
+        wide = torch.randn(rows, 2 * k, generator=gen).bfloat16()
+        for x in (wide[:, :k].contiguous(), wide[:, k:]):  # the second: rows 2k apart
+            want = ops.gguf_mm_packed(x.float(), *packed, kernel_type, QUANT_MAX_ROWS)
+            got = ops.gguf_mm_packed(x, *packed, kernel_type, QUANT_MAX_ROWS)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), (rows, x.stride())
+            out = torch.empty(rows, n)
+            ops.gguf_linear_int8(out, x, *packed, kernel_type)
+            assert torch.equal(out, want)
+
+
 MIXED = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_0, "v_proj": Q.Q4_0, "o_proj": Q.Q8_0,
          "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q4_1}
 

@@ -48,7 +48,21 @@ inline int32_t quantize_block(const float* xb, int8_t* qb, float& d) {
   return sum;
 }
 
-Activations quantize(const at::Tensor& x, bool halves) { return quantize_with(x, halves, quantize_block); }
+template <class T>
+Activations quantize(const at::Tensor& x, bool halves) { return quantize_with<T>(x, halves, quantize_block); }
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// 8 floats rounded to bfloat16, to nearest even; NaN stays NaN.
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // packus works per 128-bit lane: 64-bit quarters 0 and 2 hold the eight halves in order.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 
 // One row's int32 dot products of a block's operands [s0, s1) with 8 columns' operands w (see above).
 template <int64_t QT>
@@ -73,9 +87,9 @@ inline __m256i dot8(const __m256i* w, const int8_t* xq, int s0, int s1) {
 }
 
 // Columns of packed groups [g0, g1) for R activation rows from r0, into out.
-template <int64_t QT, int R>
+template <int64_t QT, int R, class O>
 void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* sw, const c10::Half* mw, int64_t g0,
-          int64_t g1, float* out, int64_t ldo) {
+          int64_t g1, O* out, int64_t ldo) {
   constexpr int64_t kGroupBytes = group_bytes(QT), kHalves = halves(QT);
   const int64_t nb = a.nb;
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -120,8 +134,8 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
       }
     }
     for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + (r0 + r) * ldo + g * kCols, acc[r][0]);
-      _mm256_storeu_ps(out + (r0 + r) * ldo + g * kCols + 8, acc[r][1]);
+      store8(out + (r0 + r) * ldo + g * kCols, acc[r][0]);
+      store8(out + (r0 + r) * ldo + g * kCols + 8, acc[r][1]);
     }
   }
 }

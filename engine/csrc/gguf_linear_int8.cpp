@@ -22,10 +22,16 @@
 //
 // The cost is the activations' rounding (at most half a step of amax/127 per block): the tests bound
 // every output by it.
+//
+// Inputs and outputs are float32 or bfloat16 as the model runs: bfloat16 rows widen per block as they
+// are quantized, and outputs round to bfloat16 (to nearest even, as a tensor conversion does) when
+// stored, so a bfloat16 model makes no float32 copy of either (two copies a layer call cost ~2 ms of
+// a 25 ms decode step at 16 running).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
@@ -108,16 +114,27 @@ struct Activations {
   int64_t k, nb;
 };
 
+// One block of a bfloat16 row as float32 (exact: bfloat16 is float32's upper half).
+inline const float* widen_block(const c10::BFloat16* xb, float* tmp) {
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const uint32_t bits = static_cast<uint32_t>(xb[j].x) << 16;
+    std::memcpy(tmp + j, &bits, 4);
+  }
+  return tmp;
+}
+inline const float* widen_block(const float* xb, float*) { return xb; }
+
 // x [M, K] quantized block by block: ``quantize_block(xb, qb, d)`` rounds the 32 floats at xb to qb
 // with scale d and returns their quants' sum.
-template <class QuantizeBlock>
+template <class T, class QuantizeBlock>
 Activations quantize_with(const at::Tensor& x, bool halves, QuantizeBlock quantize_block) {
   const int64_t m = x.size(0), k = x.size(1), nb = k / kBlock, ldx = x.stride(0);
-  const auto ints = x.options().dtype(at::kInt);
-  Activations a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, x.options()),
-                at::empty({m, nb}, x.options()), at::empty({m, nb}, ints), at::empty({halves ? m : 0, nb}, ints),
+  const auto ints = x.options().dtype(at::kInt), floats = x.options().dtype(at::kFloat);
+  Activations a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, floats),
+                at::empty({m, nb}, floats), at::empty({m, nb}, ints), at::empty({halves ? m : 0, nb}, ints),
                 nullptr, nullptr, nullptr, nullptr, nullptr, k, nb};
-  const float* xp = x.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  alignas(64) float tmp[kBlock];
   int8_t* q = a.q_.data_ptr<int8_t>();
   float *dp = a.d_.data_ptr<float>(), *sp = a.s_.data_ptr<float>();
   int32_t *cp = a.c_.data_ptr<int32_t>(), *c0p = a.c0_.data_ptr<int32_t>();
@@ -126,7 +143,7 @@ Activations quantize_with(const at::Tensor& x, bool halves, QuantizeBlock quanti
     for (int64_t b = 0; b < nb; ++b) {
       float d;
       int8_t* qb = q + r * k + b * kBlock;
-      const int32_t sum = quantize_block(xp + r * ldx + b * kBlock, qb, d);
+      const int32_t sum = quantize_block(widen_block(xp + r * ldx + b * kBlock, tmp), qb, d);
       dp[r * nb + b] = d;
       sp[r * nb + b] = d * static_cast<float>(sum);
       cp[r * nb + b] = 128 * sum;
@@ -155,7 +172,19 @@ inline int32_t quantize_block(const float* xb, int8_t* qb, float& d) {
   return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 }
 
-Activations quantize(const at::Tensor& x, bool halves) { return quantize_with(x, halves, quantize_block); }
+template <class T>
+Activations quantize(const at::Tensor& x, bool halves) { return quantize_with<T>(x, halves, quantize_block); }
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// 16 floats rounded to bfloat16, to nearest even; NaN stays NaN.
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(h));
+}
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -164,9 +193,9 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // Columns of packed groups [g0, g1) for R activation rows from r0, into out.
-template <int64_t QT, int R>
+template <int64_t QT, int R, class O>
 void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* sw, const c10::Half* mw, int64_t g0,
-          int64_t g1, float* out, int64_t ldo) {
+          int64_t g1, O* out, int64_t ldo) {
   constexpr int64_t kGroupBytes = group_bytes(QT), kHalves = halves(QT);
   const int64_t nb = a.nb;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -211,7 +240,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
         if constexpr (has_mins(QT)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[at]), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo + g * kCols, acc[r]);
+    for (int r = 0; r < R; ++r) store16(out + (r0 + r) * ldo + g * kCols, acc[r]);
   }
 }
 #else
@@ -219,16 +248,34 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
 #endif
 
 // Activation rows [r0, m): tiles of kTile, then one tile of the remainder.
-template <int64_t QT, int R = kTile>
+template <int64_t QT, class O, int R = kTile>
 void rows(const Activations& a, int64_t r0, int64_t m, const uint8_t* qw, const c10::Half* sw, const c10::Half* mw,
-          int64_t g0, int64_t g1, float* out, int64_t ldo) {
+          int64_t g0, int64_t g1, O* out, int64_t ldo) {
   if constexpr (R == kTile) {
     for (; m - r0 >= kTile; r0 += kTile) tile<QT, kTile>(a, r0, qw, sw, mw, g0, g1, out, ldo);
   }
   if constexpr (R > 1) {
-    if (m - r0 < R) return rows<QT, R - 1>(a, r0, m, qw, sw, mw, g0, g1, out, ldo);
+    if (m - r0 < R) return rows<QT, O, R - 1>(a, r0, m, qw, sw, mw, g0, g1, out, ldo);
   }
   if (m - r0 == R) tile<QT, R>(a, r0, qw, sw, mw, g0, g1, out, ldo);
+}
+
+// out = x . packed weight, for x and out of element types T and O.
+template <class T, class O>
+void linear_typed(at::Tensor& out, const at::Tensor& x, const uint8_t* qw, const c10::Half* sw, const c10::Half* mw,
+                  int64_t groups, int64_t qtype) {
+  const Activations a = quantize<T>(x, kHalfSums && halves(qtype) == 2);
+  const int64_t m = x.size(0), ldo = out.stride(0);
+  O* op = out.data_ptr<O>();
+  // Chunks of 4 groups (64 columns): a few KB of weights that stay in L1 while every tile of x passes.
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    switch (qtype) {
+      case kQ8_0: rows<kQ8_0, O>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
+      case kQ5_1: rows<kQ5_1, O>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
+      case kQ6_K: rows<kQ6_K, O>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
+      default: rows<kQ4_1, O>(a, 0, m, qw, sw, mw, g0, g1, op, ldo);  // Q4_0 packs as Q4_1 (minimum -8 x scale)
+    }
+  });
 }
 
 #else
@@ -264,6 +311,8 @@ void check_packed(const at::Tensor& quants, const at::Tensor& scales, const at::
               "packed minimums must be contiguous float16 [N / 16, blocks x 16]");
 }
 
+bool takes_dtype(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
 const c10::Half* mins_of(const at::Tensor& mins, int64_t qtype) {
   return reads_mins(qtype) ? mins.data_ptr<c10::Half>() : nullptr;
 }
@@ -274,27 +323,20 @@ void linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& quants,
                  const at::Tensor& mins, int64_t qtype) {
   TORCH_CHECK(kReady, "gguf int8 kernels need AVX-512 VNNI or AVX2 (the library was built without either)");
   check_packed(quants, scales, mins, qtype);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  x.size(1) == packed_blocks(scales, qtype) * kBlock,
-              "x must be float32 [M, K], rows contiguous, K the weight's");
+  TORCH_CHECK(x.dim() == 2 && takes_dtype(x) && x.stride(1) == 1 && x.size(1) == packed_blocks(scales, qtype) * kBlock,
+              "x must be float32 or bfloat16 [M, K], rows contiguous, K the weight's");
   const int64_t m = x.size(0), n = scales.size(0) * kCols;
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == m && out.size(1) == n &&
-                  out.stride(1) == 1, "out must be float32 [M, N], rows contiguous");
+  TORCH_CHECK(out.dim() == 2 && takes_dtype(out) && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
+              "out must be float32 or bfloat16 [M, N], rows contiguous");
 #ifdef SLOTSERVE_INT8
-  const Activations a = quantize(x, kHalfSums && halves(qtype) == 2);
   const uint8_t* qw = static_cast<const uint8_t*>(quants.data_ptr());
   const c10::Half *sw = scales.data_ptr<c10::Half>(), *mw = mins_of(mins, qtype);
-  float* op = out.data_ptr<float>();
-  const int64_t ldo = out.stride(0);
-  // Chunks of 4 groups (64 columns): a few KB of weights that stay in L1 while every tile of x passes.
-  at::parallel_for(0, scales.size(0), 4, [&](int64_t g0, int64_t g1) {
-    switch (qtype) {
-      case kQ8_0: rows<kQ8_0>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
-      case kQ5_1: rows<kQ5_1>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
-      case kQ6_K: rows<kQ6_K>(a, 0, m, qw, sw, mw, g0, g1, op, ldo); break;
-      default: rows<kQ4_1>(a, 0, m, qw, sw, mw, g0, g1, op, ldo);  // Q4_0 packs as Q4_1 (minimum -8 x scale)
-    }
-  });
+  const int64_t groups = scales.size(0);
+  const bool x16 = x.scalar_type() == at::kBFloat16, out16 = out.scalar_type() == at::kBFloat16;
+  if (x16 && out16) linear_typed<c10::BFloat16, c10::BFloat16>(out, x, qw, sw, mw, groups, qtype);
+  else if (x16) linear_typed<c10::BFloat16, float>(out, x, qw, sw, mw, groups, qtype);
+  else if (out16) linear_typed<float, c10::BFloat16>(out, x, qw, sw, mw, groups, qtype);
+  else linear_typed<float, float>(out, x, qw, sw, mw, groups, qtype);
 #endif
 }
 
@@ -336,9 +378,16 @@ at::Tensor take_packed(const at::Tensor& quants, const at::Tensor& scales, const
 
 bool int8_ready() { return kReady; }
 
-// gguf_mm (gguf_linear.cpp) over packed weights: the int8 kernel up to max_rows rows, else one GEMM.
+// gguf_mm (gguf_linear.cpp) over packed weights: the int8 kernel up to max_rows rows, else one GEMM; in
+// x's dtype.
 at::Tensor mm_packed(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& mins,
                      int64_t qtype, int64_t max_rows) {
+  if (x.size(0) <= max_rows && takes_dtype(x)) {  // float32 and bfloat16 rows go in as they are
+    const at::Tensor rows = x.stride(-1) == 1 ? x : x.contiguous();
+    at::Tensor out = at::empty({x.size(0), scales.size(0) * kCols}, x.options());
+    linear_int8(out, rows, quants, scales, mins, qtype);
+    return out;
+  }
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor out;
   if (x32.size(0) <= max_rows) {
