@@ -25,8 +25,8 @@
 //
 // Inputs and outputs are float32 or bfloat16 as the model runs: bfloat16 rows widen per block as they
 // are quantized, and outputs round to bfloat16 (to nearest even, as a tensor conversion does) when
-// stored, so a bfloat16 model makes no float32 copy of either (two copies a layer call cost ~2 ms of
-// a 25 ms decode step at 16 running).
+// stored, so a bfloat16 model makes no float32 copy of either (with the copies, a decode step's linear
+// layers alone took 16.1-16.3 ms at 16 rows; without, 12.6-14.4).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
