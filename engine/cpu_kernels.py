@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "kv_write.cpp", "attention_step.cpp", "amx_linear.cpp",
-                                           "gguf_linear.cpp", "gguf_linear_int8.cpp"))
+                                           "gguf_linear.cpp", "gguf_linear_int8.cpp", "gguf_layers.cpp"))
 HEADERS = tuple(CSRC / name for name in ("checks.h", "kv_layout.h", "score_int8.h", "values_int8.h", "vec.h",
                                            "gguf_blocks.h", "gguf_int8_avx2.h"))
 # -ffast-math at compile time only: it lets the compiler vectorize reductions and expf; linked

@@ -338,16 +338,20 @@ at::Tensor dense_mm(const at::Tensor& x32, const at::Tensor& blocks, int64_t qty
   return out;
 }
 
+}  // namespace
+
+namespace slotserve::gguf {
+
 // x [M, K] @ W^T for a compiled graph or an eager step, in x's dtype: steps of up to max_rows rows
 // through the block kernel, larger ones de-quantize the weight once; ``exact`` sums them as the block
 // kernel does (batch-invariant, for models with int8 layers; engine.model.quant), else one GEMM
 // (~2x faster at 256 rows on the 2-core AVX-512 host, ulps apart). One C++ op: a layer call is one dispatch.
-at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t max_rows, bool exact) {
+at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t max_rows, bool exact) {
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor out;
   if (x32.size(0) <= max_rows) {
     out = at::empty({x32.size(0), blocks.size(0)}, x32.options());
-    slotserve::gguf::linear_f32(out, x32, blocks, qtype);
+    linear_f32(out, x32, blocks, qtype);
   } else if (exact) {
     out = dense_mm(x32, blocks, qtype);
   } else {
@@ -356,7 +360,7 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
-}  // namespace
+}  // namespace slotserve::gguf
 
 TORCH_LIBRARY_FRAGMENT(slotserve_cpu, m) {
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype) -> ()");
@@ -367,5 +371,5 @@ TORCH_LIBRARY_FRAGMENT(slotserve_cpu, m) {
 TORCH_LIBRARY_IMPL(slotserve_cpu, CPU, m) {
   m.impl("gguf_linear", slotserve::gguf::linear_f32);
   m.impl("gguf_dequantize", gguf_dequantize);
-  m.impl("gguf_mm", gguf_mm);
+  m.impl("gguf_mm", slotserve::gguf::mm);
 }

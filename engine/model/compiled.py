@@ -16,6 +16,10 @@ one-token steps, which it specializes). Two custom ops stay opaque to inductor:
   index in the model instead. Where the CPU kernel library is built, the graph calls its C++ twin,
   ``slotserve_cpu::packed_linear``, which reads the step's layers from a table bound once a step:
   a layer call is then one dispatch, not a Python function (~7 us less a call, ~120 calls a step).
+- ``slotserve_cpu::gguf_layer``: a layer served from GGUF blocks (engine.model.quant), named by index
+  the same way, its blocks read from a table bound once a step (engine/csrc/gguf_layers.cpp). As graph
+  inputs they would be three tensors a layer that dynamo fetches from the modules, and inductor checks,
+  on every step.
 - ``slotserve::lora_delta`` (LoRA engines): what the step's adapters add to a projection
   (engine.lora.layers). The step's token -> adapter map is host state that changes every step;
   read out of band like the attention metadata, it never becomes a guard, and inside a decode
@@ -173,6 +177,17 @@ def _inputs_only(entries) -> list[bool]:
     return [_MODEL_SOURCE.match(entry.name) is None for entry in entries]
 
 
+def _gguf_table(model: torch.nn.Module) -> tuple | None:
+    """Numbers every module of ``model`` that holds GGUF blocks (``qindex``) and returns the arguments
+    of ``slotserve_cpu::bind_gguf_layers`` for them; None without any."""
+    from engine.model.quant import INT8_MAX_ROWS, QUANT_MAX_ROWS
+    held = [m for m in model.modules() if getattr(m, "qweight", None) is not None and m.qout > 0]
+    for index, module in enumerate(held):
+        module.qindex = index
+    return held and ([m.qweight for m in held], [m.qscale for m in held], [m.qmin for m in held],
+                     [m.qtype for m in held], [m.qexact for m in held], INT8_MAX_ROWS, QUANT_MAX_ROWS)
+
+
 class CompiledDecoder:
     """The model's ``hidden_states`` compiled; called like the eager model (plus the backend)."""
 
@@ -196,6 +211,7 @@ class CompiledDecoder:
         self._bind = (native and (
             [layer.amx for layer in self.packed_layers], [layer.packed for layer in self.packed_layers],
             [layer.bias for layer in self.packed_layers], AMX_MAX_ROWS))
+        self._bind_gguf = _gguf_table(model)
         # The CPU kernel's decode steps run in the C++ op; every other step goes on to the Python one.
         native_attention = native_op("attention") if backend.name == "cpu" else None
         self.native_attention = native_attention is not None
@@ -224,6 +240,8 @@ class CompiledDecoder:
         input_ids, positions = (t if t.storage_offset() == 0 else t.clone() for t in (input_ids, positions))
         if self._bind:
             torch.ops.slotserve_cpu.bind_packed_layers(*self._bind)
+        if self._bind_gguf:
+            torch.ops.slotserve_cpu.bind_gguf_layers(*self._bind_gguf)
         if self.native_attention:
             torch.ops.slotserve_cpu.bind_attention_step(backend.decode_step_index(meta), backend.scale)
         with step_context(backend, meta, self.packed_layers, self.lora_layers):

@@ -106,6 +106,7 @@ def _quantizable(module: nn.Module) -> None:
     module.register_module("wq", None)  # weights kept quantized on the GPU (engine.model.gpu_quant)
     module.qparts = None  # a fused layer's parts, where their types differ (engine.model.quant.QuantPart)
     module.qexact = False  # large steps summed as small ones (engine.model.quant.make_batch_invariant)
+    module.qindex, module.qout = -1, 0  # its number in a compiled graph's table (engine.model.compiled); N
 
 
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:

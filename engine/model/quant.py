@@ -72,6 +72,9 @@ def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
     """``x @ W.T`` for a layer that holds GGUF blocks (``attach_gguf``), in ``x``'s dtype."""
     if layer.qparts is not None:  # a fused layer whose parts differ in type: one product each
         return torch.cat([quant_linear(x, part) for part in layer.qparts], dim=-1)
+    if layer.qindex >= 0 and torch.compiler.is_compiling():
+        # The graph names the layer; its blocks are bound once a step (engine/csrc/gguf_layers.cpp).
+        return torch.ops.slotserve_cpu.gguf_layer(x, layer.qindex, layer.qout)
     if layer.qscale is not None:
         return torch.ops.slotserve_cpu.gguf_mm_packed(x, layer.qweight, layer.qscale, layer.qmin, layer.qtype,
                                                       INT8_MAX_ROWS)
@@ -209,6 +212,10 @@ def load_ops() -> None:
     def _(x, quants, scales, mins, qtype, max_rows):
         return x.new_empty(x.shape[0], scales.shape[0] * 16)
 
+    @torch.library.register_fake("slotserve_cpu::gguf_layer")
+    def _(x, index, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
     @torch.library.register_fake("slotserve_cpu::gguf_dequantize")
     def _(blocks, qtype, k):
         return blocks.new_empty(blocks.shape[0], k, dtype=torch.float32)
@@ -303,6 +310,7 @@ class QuantPart(torch.nn.Module):
         for name in ("qweight", "qscale", "qmin"):
             self.register_buffer(name, None, persistent=False)
         self.qtype, self.qparts, self.qexact = None, None, False
+        self.qindex, self.qout = -1, 0
 
 
 def hold_blocks(module, parts: list[GGUFTensor], in_features: int) -> None:
@@ -319,6 +327,7 @@ def hold_blocks(module, parts: list[GGUFTensor], in_features: int) -> None:
     kind = kinds.pop()
     module.qtype = KERNEL_TYPES[kind][0]
     rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else np.array(parts[0].rows)
+    module.qout = rows.shape[0]
     if _int8() and kind in INT8_TYPES and rows.shape[0] % 16 == 0:
         module.qweight, module.qscale, module.qmin = pack_int8(rows, kind, in_features)
         module.qtype = KERNEL_TYPES[PACKED_AS.get(kind, kind)][0]
