@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "gguf_blocks.h"
 
@@ -107,7 +108,6 @@ constexpr bool kReady = true;
 // d x its quants' sum (for the offsets), and 128 x that sum as an integer (for the flip); for Q6_K
 // also 128 x the sum of its first 16 quants (the second half's is c - c0).
 struct Activations {
-  at::Tensor q_, d_, s_, c_, c0_;  // owners
   const int8_t* q;
   const float *d, *s;
   const int32_t *c, *c0;
@@ -129,16 +129,18 @@ inline const float* widen_block(const float* xb, float*) { return xb; }
 template <class T, class QuantizeBlock>
 Activations quantize_with(const at::Tensor& x, bool halves, QuantizeBlock quantize_block) {
   const int64_t m = x.size(0), k = x.size(1), nb = k / kBlock, ldx = x.stride(0);
-  const auto ints = x.options().dtype(at::kInt), floats = x.options().dtype(at::kFloat);
-  Activations a{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, nb}, floats),
-                at::empty({m, nb}, floats), at::empty({m, nb}, ints), at::empty({halves ? m : 0, nb}, ints),
-                nullptr, nullptr, nullptr, nullptr, nullptr, k, nb};
+  // The calling thread's scratch, reused call after call: five tensors a call were ~600 allocations a
+  // decode step. The kernel's workers only read it, and the call returns before the thread calls again.
+  thread_local std::vector<int32_t> scratch;
+  const size_t per_block = static_cast<size_t>(m * nb), words = static_cast<size_t>(m * k / 4) + 4 * per_block;
+  if (scratch.size() < words) scratch.resize(words);
+  int8_t* q = reinterpret_cast<int8_t*>(scratch.data());
+  float* dp = reinterpret_cast<float*>(scratch.data() + m * k / 4);
+  float* sp = dp + per_block;
+  int32_t *cp = reinterpret_cast<int32_t*>(sp + per_block), *c0p = cp + per_block;
+  Activations a{q, dp, sp, cp, halves ? c0p : nullptr, k, nb};
   const T* xp = x.data_ptr<T>();
   alignas(64) float tmp[kBlock];
-  int8_t* q = a.q_.data_ptr<int8_t>();
-  float *dp = a.d_.data_ptr<float>(), *sp = a.s_.data_ptr<float>();
-  int32_t *cp = a.c_.data_ptr<int32_t>(), *c0p = a.c0_.data_ptr<int32_t>();
-  a.q = q, a.d = dp, a.s = sp, a.c = cp, a.c0 = c0p;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       float d;
