@@ -2,7 +2,7 @@
 // blocks would be three of the graph's inputs, ~360 for a 30-layer model, each fetched from its module,
 // checked for size and stride, and handed through dynamo and inductor's wrappers on every step. Bound
 // here once a step instead, a layer call reads its blocks from this thread's table: the graph keeps the
-// index, and a step of one running request is ~1 ms shorter on a 2-core host (issue 47).
+// index: a decode step at 1 running, default model, 2-core AVX-512 host, 0.3-0.9 ms shorter (issue 47).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -182,10 +182,12 @@ def _gguf_table(model: torch.nn.Module) -> tuple | None:
     of ``slotserve_cpu::bind_gguf_layers`` for them; None without any."""
     from engine.model.quant import INT8_MAX_ROWS, QUANT_MAX_ROWS
     held = [m for m in model.modules() if getattr(m, "qweight", None) is not None and m.qout > 0]
+    if not held:
+        return None
     for index, module in enumerate(held):
         module.qindex = index
-    return held and ([m.qweight for m in held], [m.qscale for m in held], [m.qmin for m in held],
-                     [m.qtype for m in held], [m.qexact for m in held], INT8_MAX_ROWS, QUANT_MAX_ROWS)
+    return ([m.qweight for m in held], [m.qscale for m in held], [m.qmin for m in held],
+            [m.qtype for m in held], [m.qexact for m in held], INT8_MAX_ROWS, QUANT_MAX_ROWS)
 
 
 class CompiledDecoder:
