@@ -29,8 +29,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 KEY_A, KEY_B, KEY_B_NEXT = "key-tenant-a-0001", "key-tenant-b-0001", "key-tenant-b-0002"
 SLOTS = 2
 ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": SLOTS, "max_waiting": 64, "block_size": 16,
-          "num_kv_blocks": 64, "max_model_len": 128, "num_threads": 1}
-FLOOD, FLOOD_TOKENS = 12, 100
+          "num_kv_blocks": 64, "max_model_len": 512, "num_threads": 1}
+# Floods long enough (2,400 steps each) that their queue outlasts several routing-stats periods: GetLoad
+# reports what Serve last polled (every 0.5 s), and a flood that drains in a second can be missed.
+FLOOD, FLOOD_TOKENS = 12, 400
+CHOICES, CHOICE_TOKENS = 16, 100
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +131,11 @@ def test_a_tenant_is_served_ahead_of_another_tenants_flood(service):
 def test_a_flood_of_many_choice_requests_does_not_hold_the_engine(service):
     """Each of A's requests asks for 16 choices: 48 sequences for 2 slots. B still gets in early."""
     a, b = _client(service, KEY_A), _client(service, KEY_B)
-    # Long enough (2,400 steps) that the queue outlasts several routing-stats periods: GetLoad reports
-    # what Serve last polled (every 0.5 s), and a flood that drains in under a second can be missed.
-    flood = [Stream(a, f"many choices {i}", FLOOD_TOKENS, n=16) for i in range(3)]
+    flood = [Stream(a, f"many choices {i}", CHOICE_TOKENS, n=CHOICES) for i in range(3)]
     probes = [Stream(b, "short", 2)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         _flood_then(service, pool, flood, probes, queued=16)
-    assert all(len(s.finish_reasons) == 16 and s.tokens == 16 * FLOOD_TOKENS for s in flood)
+    assert all(len(s.finish_reasons) == CHOICES and s.tokens == CHOICES * CHOICE_TOKENS for s in flood)
     assert probes[0].finish_reasons == ["length"]
     # First come, first served, B would wait for every one of A's 48 choices: all three of A's requests
     # would end first. Shared fairly, at most the request whose last choices hold the slots when B arrives
