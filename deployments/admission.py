@@ -1,22 +1,40 @@
-"""Who gets in at the ingress: API keys, no more streams than the engines can hold, and, once they
-are nearly full, a share of them for each tenant by its weight (``FairShares``).
+"""Who gets in at the ingress: no more streams than the engines can hold; once they are nearly full,
+a share of them for each tenant by its weight (``FairShares``); and each tenant's own limits
+(``TenantQuotas``).
 
-Without the second, an ingress takes every stream Serve hands it (up to
-``ingress.max_ongoing_requests``) and the excess waits on its event loop, unbounded in
-practice, while engine queues never fill: admitted latency then grows with the offered
-load, and refusals come late. With it, a stream past the engines' capacity is refused
-at the door (RESOURCE_EXHAUSTED / 429), at once.
+Without the engines' capacity, an ingress takes every stream Serve hands it (up to
+``ingress.max_ongoing_requests``) and the excess waits on its event loop, unbounded in practice,
+while engine queues never fill: admitted latency then grows with the offered load, and refusals
+come late. With it, a stream past the engines' capacity is refused at the door (RESOURCE_EXHAUSTED
+/ 429), at once.
+
+A tenant's ``max_concurrent_requests``, ``max_waiting`` and ``max_tokens_per_minute`` are for the
+whole deployment; each ingress replica holds its share (divided by ``ingress_replicas``, rounded
+up), as ``Admission`` shares the engines' capacity: requests spread over ingress replicas evenly
+enough that a share per replica needs no coordination between them. Tokens (prompt and output) are
+metered by a bucket that holds a minute's worth and refills continuously. A request is admitted
+while the bucket holds anything, and is charged its prompt at admission and its output when its
+stream ends: one request may take the bucket below zero, and the tenant's next requests then wait
+until the debt is repaid, so over any stretch the tenant gets its rate and no answer is cut off.
+A request waits from its admission to its first engine message (``Ticket.started``):
+``max_waiting`` bounds what a tenant queues ahead of the other tenants' requests. Over a limit, the
+request is refused at once: HTTP 429 with ``retry-after``, gRPC RESOURCE_EXHAUSTED, the message
+naming the tenant and the limit. The ticket also records the tenant's latencies; the ``tenant``
+label holds configured tenants only, so its series stay as few as the tenants.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import math
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping, Sequence
+from typing import Awaitable, Callable, Mapping
 
+from deployments.contract import EngineMessage
+from deployments.errors import TenantLimitExceeded
+from deployments.metrics import NullRecorder, Recorder
 from router.policy import RoutingStats
 
 logger = logging.getLogger(__name__)
@@ -165,49 +183,6 @@ class Admission:
         self._capacity = Capacity(running, limit - running) if total else None
 
 
-class ApiKeys:
-    """The accepted keys: the configured ones plus those in a file, re-read once it changes."""
-
-    CHECK_PERIOD_S = 1.0
-    MIN_KEY_CHARS = 8
-
-    def __init__(self, keys: Sequence[str], path: str | None) -> None:
-        self._fixed = tuple(keys)
-        self._path = path
-        self._from_file: tuple[str, ...] = ()
-        self._stamp: tuple[int, int] | None = None
-        self._checked = float("-inf")
-        if path is not None:
-            self._reload()  # a missing or bad file fails the replica at start, not the first request
-
-    def current(self) -> tuple[str, ...]:
-        if self._path is not None and time.monotonic() - self._checked >= self.CHECK_PERIOD_S:
-            try:
-                self._reload()
-            except (OSError, ValueError) as exc:  # keep serving with the last good keys
-                logger.error("api_keys_file %s not reloaded: %s", self._path, exc)
-        return self._fixed + self._from_file
-
-    @property
-    def required(self) -> bool:
-        """A configured keys file asks for a key even while it holds none (fail closed)."""
-        return bool(self._fixed) or self._path is not None
-
-    def _reload(self) -> None:
-        self._checked = time.monotonic()
-        st = os.stat(self._path)
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp:
-            return
-        with open(self._path, encoding="utf-8") as f:
-            keys = tuple(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
-        short = sum(len(k) < self.MIN_KEY_CHARS for k in keys)
-        if short:
-            raise ValueError(f"{short} key(s) shorter than {self.MIN_KEY_CHARS} characters")
-        self._from_file, self._stamp = keys, stamp
-        logger.info("api_keys_file %s: %d keys", self._path, len(keys))
-
-
 PUBLIC_LOAD_FIELDS = ("replica_id", "healthy", "running", "waiting", "max_num_seqs", "free_slots", "kv_blocks_used",
                       "kv_blocks_total", "slot_occupancy", "kv_usage", "num_finished", "prefix_cache_hits",
                       "prefix_cache_queries", "updated_at", "lora_loaded", "lora_loads", "lora_evictions")
@@ -226,3 +201,146 @@ def summarize_load(replicas: list[RoutingStats]) -> dict:
             "total_slots": total, "free_slots": sum(r.free_slots for r in replicas), "running": running,
             "waiting": sum(r.waiting for r in replicas),
             "occupancy": running / total if total else 0.0, "kv_usage": kv_used / kv_total if kv_total else 0.0}
+
+
+OUTCOMES = ("admitted", "concurrency", "waiting", "tokens", "overloaded")
+"""``tenant_requests``'s outcomes: one per request that reached admission."""
+
+
+@dataclass
+class _Usage:
+    in_flight: int = 0
+    waiting: int = 0
+    """Admitted, no engine message yet."""
+    level: float = 0.0
+    """Tokens left in the bucket (negative: a debt)."""
+    stamp: float = 0.0
+
+
+class Ticket:
+    """A request admitted for a tenant: ``started()`` and ``observe`` on each engine message,
+    ``finish(output_tokens)`` once its stream ends, however it ends (a request that never started
+    stops waiting then). A request of no tenant gets one that records nothing."""
+
+    __slots__ = ("_quotas", "_tenant", "_recorder", "_arrival", "_queued", "_waiting")
+
+    def __init__(self, quotas: "TenantQuotas | None", tenant: str | None, arrival: float | None = None) -> None:
+        self._quotas, self._tenant = quotas, tenant
+        self._recorder = quotas._recorder if quotas is not None else None
+        self._arrival = arrival if quotas is not None else None  # None once its first text is recorded
+        self._queued = quotas is None  # True once its queue time is recorded
+        self._waiting = quotas is not None  # counted in its tenant's waiting until started
+
+    def observe(self, message: EngineMessage, text: str, now: float | None = None) -> None:
+        """An engine message and the text it gave the client: the
+        engine's queue time from the first message carrying it, the time to the first text."""
+        if not self._queued and message.queue_time_s is not None:
+            self._queued = True  # a resumed request's next replica sends its own: the first one counts
+            self._recorder.record("tenant_queue_time_seconds", message.queue_time_s, {"tenant": self._tenant})
+        if self._arrival is not None and text:
+            now = time.monotonic() if now is None else now
+            self._recorder.record("tenant_time_to_first_token_seconds", max(now - self._arrival, 0.0),
+                                  {"tenant": self._tenant})
+            self._arrival = None
+
+    def started(self) -> None:
+        if self._waiting:  # called on every message: counts once
+            self._waiting = False
+            self._quotas._usage[self._tenant].waiting -= 1
+
+    def finish(self, output_tokens: int) -> None:
+        self.started()
+        if self._quotas is not None:
+            self._quotas._finish(self._tenant, output_tokens)
+            self._quotas = None  # once
+
+
+class TenantQuotas:
+    def __init__(self, tenants, ingress_replicas: int = 1, recorder: Recorder | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``tenants``: ``deployments.tenants.Tenant`` entries (name, max_concurrent_requests,
+        max_waiting, max_tokens_per_minute); ``recorder``: where the per-tenant metrics go."""
+        self._recorder = recorder if recorder is not None else NullRecorder()
+        for tenant in tenants:
+            for outcome in OUTCOMES:
+                self._recorder.start_at_zero("tenant_requests", {"tenant": tenant.name, "outcome": outcome})
+            for kind in ("prompt", "output"):
+                self._recorder.start_at_zero("tenant_tokens", {"tenant": tenant.name, "kind": kind})
+            self._recorder.record("tenant_requests_in_flight", 0, {"tenant": tenant.name})
+        share = max(1, ingress_replicas)
+        self._share = share
+        self._concurrent = {t.name: _ceil_share(t.max_concurrent_requests, share) for t in tenants}
+        self._per_minute = {t.name: _ceil_share(t.max_tokens_per_minute, share) for t in tenants}
+        self._max_waiting = {t.name: _ceil_share(t.max_waiting, share) for t in tenants}
+        self._clock = clock
+        self._usage = {t.name: _Usage(level=float(self._per_minute[t.name] or 0), stamp=clock()) for t in tenants}
+
+    def admit(self, tenant: str | None, prompt_tokens: int, arrival: float | None = None) -> Ticket:
+        """A ticket for the request, or ``TenantLimitExceeded``. Requests of no tenant pass.
+        ``arrival``: when the ingress got it (``time.monotonic()``), the start of its time to first token."""
+        if tenant is None or tenant not in self._usage:
+            return Ticket(None, tenant)
+        usage, limit, rate = self._usage[tenant], self._concurrent[tenant], self._per_minute[tenant]
+        whose = f"tenant {tenant!r}" + (f" (this ingress's share of {self._share})" if self._share > 1 else "")
+        if limit is not None and usage.in_flight >= limit:
+            self._count(tenant, "concurrency")
+            raise TenantLimitExceeded(f"{whose} has {usage.in_flight} requests in flight, its limit "
+                                      f"(tenants.max_concurrent_requests: {limit}); retry when one ends", 1.0)
+        waiting = self._max_waiting[tenant]
+        if waiting is not None and usage.waiting >= waiting:
+            self._count(tenant, "waiting")
+            raise TenantLimitExceeded(f"{whose} has {usage.waiting} requests waiting for their first token, its "
+                                      f"limit (tenants.max_waiting: {waiting}); retry when one starts", 1.0)
+        if rate is not None:
+            self._refill(usage, rate)
+            if usage.level <= 0:
+                self._count(tenant, "tokens")
+                wait = max(1.0, math.ceil((1 - usage.level) * 60.0 / rate))
+                raise TenantLimitExceeded(f"{whose} used its tokens for now (tenants.max_tokens_per_minute: "
+                                          f"{rate}); retry in {wait:.0f} s", wait)
+            usage.level -= prompt_tokens
+        usage.in_flight += 1
+        usage.waiting += 1
+        self._count(tenant, "admitted")
+        self._recorder.record("tenant_tokens", prompt_tokens, {"tenant": tenant, "kind": "prompt"})
+        self._recorder.record("tenant_requests_in_flight", usage.in_flight, {"tenant": tenant})
+        return Ticket(self, tenant, arrival)
+
+    def overloaded(self, tenant: str | None) -> None:
+        """Count a request of ``tenant`` refused for the engines' capacity before its own limits were
+        checked: which tenants feel a full deployment. Requests of no tenant are not counted here."""
+        if tenant in self._usage:
+            self._count(tenant, "overloaded")
+
+    def _count(self, tenant: str, outcome: str) -> None:
+        self._recorder.record("tenant_requests", 1, {"tenant": tenant, "outcome": outcome})
+
+    def in_flight(self, tenant: str) -> int:
+        return self._usage[tenant].in_flight
+
+    def waiting(self, tenant: str) -> int:
+        return self._usage[tenant].waiting
+
+    def concurrency(self, tenant: str | None) -> int | None:
+        """The tenant's requests that may be in flight at this ingress at once, none started yet: the
+        smaller of its in-flight and waiting shares (None: no limit)."""
+        limits = [lim for lim in (self._concurrent.get(tenant), self._max_waiting.get(tenant)) if lim is not None]
+        return min(limits, default=None)
+
+    def _refill(self, usage: _Usage, rate: int) -> None:
+        now = self._clock()
+        usage.level = min(float(rate), usage.level + (now - usage.stamp) * rate / 60.0)
+        usage.stamp = now
+
+    def _finish(self, tenant: str, output_tokens: int) -> None:
+        usage, rate = self._usage[tenant], self._per_minute[tenant]
+        usage.in_flight -= 1
+        self._recorder.record("tenant_tokens", output_tokens, {"tenant": tenant, "kind": "output"})
+        self._recorder.record("tenant_requests_in_flight", usage.in_flight, {"tenant": tenant})
+        if rate is not None:
+            self._refill(usage, rate)
+            usage.level -= output_tokens
+
+
+def _ceil_share(limit: int | None, share: int) -> int | None:
+    return None if limit is None else -(-limit // share)

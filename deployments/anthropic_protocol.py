@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, ValidationInfo, field_validator
 
 from deployments.errors import BadRequest
-from deployments.openai_protocol import ParsedBody, model_id, validate_body
+from deployments.http_common import ParsedBody, model_id, validate_body
 from deployments.requests import MAX_MESSAGES, GenerateInput, Unread, kind_tag, parse_messages
 from deployments.tools import MAX_TOOLS, FunctionDef, NamedToolChoice, ToolDef, tool_use
 from engine.structured import StructuredOutputs, grammar_problem

@@ -7,16 +7,35 @@ replica makes it from the engine's ``StreamOutput``, as the engine link carries 
 the struct as it is, and decodes into it and nothing else), and as the frontend's text assembler
 reads it. Wherever messages queue behind a slow reader, ``coalesce`` joins them with the one
 ``merge``.
+
+On the engine link a frame is a 4-byte length and a MessagePack document decoded by msgspec into
+the structs here, and into nothing else: what a peer sends can be a wrong value, never code to run.
+A request the replica cannot take is answered with its error alone (``SubmitIn``); a frame that names
+no request ends the link. Who may link, and how (the token's proofs, TLS), is ``deployments.link_auth``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import struct
+from typing import Any, Union
 
 import msgspec
 
+from deployments.errors import (BadRequest, Cancelled, DeadlineExceeded, ModelNotFound, Overloaded, ServingError,
+                                Unauthenticated, Unavailable)
+from engine.errors import (AdapterLoadError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
+                           UnknownAdapterError)
 from engine.outputs import FINISH_ABORT, StreamOutput, audit_records
 from engine.sampling import SamplingParams
+
+LINK_VERSION = 1
+"""What an ingress's ``Hello`` says it speaks. Peers of other versions still link: fields either side
+does not know are ignored, and a request the replica cannot take fails alone (``SubmitIn``)."""
+MAX_FRAME_BYTES = 64 << 20  # a 2M-token prompt is ~10 MB of MessagePack; far below this
+FRAME_ITEMS = 1024
+"""Outputs per frame at most: a backlog goes out in several frames, each far below the limit."""
+HEADER = struct.Struct("!I")
 
 
 def wire_key(request_id: str, attempt: int) -> str:
@@ -141,3 +160,138 @@ def coalesce(messages: list[EngineMessage]) -> list[EngineMessage]:
         earlier = by_choice.get(message.index)
         by_choice[message.index] = message if earlier is None else earlier.merge(message)
     return sorted(by_choice.values(), key=lambda m: m.ends_request)
+
+
+# -- ingress -> replica
+
+class Hello(msgspec.Struct, tag="hello"):
+    ingress_id: str
+    version: int = 0
+    """``LINK_VERSION`` of the ingress; 0: one from before versions were sent."""
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    request: EngineRequest
+
+
+class SubmitIn(msgspec.Struct, tag="submit"):
+    """A ``Submit`` as the replica reads it: the request stays encoded until ``take``, so a request the
+    replica cannot take (a wrong field, a newer ingress's value) fails alone, not the link with every
+    other stream on it."""
+
+    request: msgspec.Raw
+
+    def take(self) -> tuple[str, EngineRequest | Exception]:
+        """The request's wire id and the request, or the error to answer it with. Raises
+        msgspec.ValidationError when not even its id can be read: then nothing can be answered."""
+        head = _request_head.decode(self.request)
+        key = wire_key(head.request_id, head.attempt)
+        try:
+            return key, _engine_request.decode(self.request)
+        except msgspec.ValidationError as exc:  # SamplingParams's own checks included
+            return key, InvalidRequestError(f"engine replica refused request {head.request_id!r}: {exc}")
+
+
+class RequestHead(msgspec.Struct):
+    """What names a request on the wire: enough to answer one that is otherwise unreadable."""
+
+    request_id: str
+    attempt: int = 0
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_id: str
+    index: int | None = None
+    """Only this choice of the request (``n`` > 1)."""
+    reply: int | None = None
+    """Answer with ``Found(reply, ...)``: an abort by request id, of a stream another ingress may hold."""
+
+
+# -- replica -> ingress: batches of outputs, one per engine step
+
+class Found(msgspec.Struct, tag="found"):
+    """The answer to an ``Abort`` with ``reply``: whether the request ran here (it is now aborted)."""
+
+    reply: int
+    found: bool
+
+
+class WireError(msgspec.Struct, array_like=True):
+    """An error by its class's name (one of ``ERRORS``) and message."""
+
+    kind: str
+    message: str
+    param: str | None = None
+
+
+class Output(msgspec.Struct, array_like=True):
+    """Sent as a ``(wire_id, EngineMessage, WireError)`` tuple: the same array on the wire."""
+
+    wire_id: str
+    message: EngineMessage | None = None
+    error: WireError | None = None
+
+
+ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
+    ServingError, BadRequest, ModelNotFound, Unauthenticated, Overloaded, Unavailable, DeadlineExceeded,
+    Cancelled, EngineDeadError, EngineOverloadedError, InvalidRequestError, UnknownAdapterError, AdapterLoadError)}
+"""What an error can be on the ingress's side: the frontend tells a crashed engine loop from a lost
+replica from an overloaded one by class."""
+
+_encoder = msgspec.msgpack.Encoder()
+_ingress_frames = msgspec.msgpack.Decoder(Union[Hello, SubmitIn, Abort])
+_engine_request = msgspec.msgpack.Decoder(EngineRequest)
+_request_head = msgspec.msgpack.Decoder(RequestHead)
+_replica_frames = msgspec.msgpack.Decoder(Union[list[Output], Found])
+
+
+def wire_error(exc: BaseException) -> WireError:
+    if type(exc).__name__ in ERRORS and isinstance(exc, ERRORS[type(exc).__name__]):
+        return WireError(type(exc).__name__, getattr(exc, "message", None) or str(exc), getattr(exc, "param", None))
+    return WireError("Unavailable", f"{type(exc).__name__}: {exc}")
+
+
+def rebuild_error(error: WireError) -> Exception:
+    cls = ERRORS.get(error.kind, ServingError)
+    return cls(error.message, param=error.param) if issubclass(cls, ServingError) else cls(error.message)
+
+
+def as_item(output: Output) -> tuple:
+    """``(wire_id, EngineMessage or None, exception or None)``: one item of a batch."""
+    return output.wire_id, output.message, None if output.error is None else rebuild_error(output.error)
+
+
+# -- frames
+
+def frame(obj: Any) -> bytes:
+    data = _encoder.encode(obj)
+    return HEADER.pack(len(data)) + data
+
+
+async def _read(reader: asyncio.StreamReader) -> bytes:
+    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if size > MAX_FRAME_BYTES:
+        raise ConnectionError(f"link frame of {size} bytes (at most {MAX_FRAME_BYTES})")
+    return await reader.readexactly(size)
+
+
+def decode_ingress_frame(data: bytes) -> Hello | SubmitIn | Abort:
+    """A frame's body from an ingress; msgspec.ValidationError / DecodeError when it is not one."""
+    return _ingress_frames.decode(data)
+
+
+async def read_ingress_frame(reader: asyncio.StreamReader) -> Hello | SubmitIn | Abort:
+    return decode_ingress_frame(await _read(reader))
+
+
+async def read_outputs(reader: asyncio.StreamReader) -> list[tuple] | Found:
+    """The next frame from a replica: a batch (``as_item`` items), or an abort's answer."""
+    frame = _replica_frames.decode(await _read(reader))
+    return frame if isinstance(frame, Found) else [as_item(output) for output in frame]
+
+
+def outputs(batch: list[tuple]) -> bytes:
+    """Items ``(wire id, EngineMessage or None, exception or None)`` as frames of at most ``FRAME_ITEMS``
+    outputs."""
+    wire = [(key, message, None if exc is None else wire_error(exc)) for key, message, exc in batch]
+    return b"".join(frame(wire[i:i + FRAME_ITEMS]) for i in range(0, len(wire), FRAME_ITEMS))

@@ -25,8 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 
 from deployments.errors import BadRequest, ServingError
 from deployments.frontend import Frontend
-from deployments.http_common import error_response, ingress_span, read_json
-from deployments.openai_protocol import model_id, validate_body
+from deployments.http_common import error_response, ingress_span, model_id, read_json, validate_body
 from deployments.requests import GenerateInput
 from deployments.tenants import Tenant
 from engine.validation import Int, Str, union_tag

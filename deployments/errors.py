@@ -75,7 +75,7 @@ class Overloaded(ServingError):
 
 
 class TenantLimitExceeded(Overloaded):
-    """A tenant's own limit (``deployments.quotas``), not the engines' capacity."""
+    """A tenant's own limit (``deployments.admission``), not the engines' capacity."""
 
     openai_code = "tenant_limit_exceeded"
     metric_reason = "tenant_limit"

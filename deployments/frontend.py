@@ -19,16 +19,15 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from deployments.adapters import Adapters
-from deployments.admission import Admission, ApiKeys, summarize_load
+from deployments.admission import Admission, TenantQuotas, summarize_load
 from deployments.engine_client import EngineClient, EngineStream
 from deployments.errors import (BadRequest, DeadlineExceeded, Overloaded, Unauthenticated,
                                 Unavailable, retry_kind, to_serving_error)
 from deployments.metrics import IngressMetrics, recorder_for
-from deployments.quotas import TenantQuotas
 from deployments.requests import (ChatMessage, GenerateInput, PreparedRequest, build_sampling_params,
                                   check_logit_bias, check_messages_length, check_text, check_vocab, effective_timeout,
                                   new_request_id, parse_messages)
-from deployments.tenants import Tenant, check_priority, tenant_of
+from deployments.tenants import KeyList, Tenant, check_priority, tenant_of
 from deployments.textstream import TextAssembler, TextDelta, abort_all, last_delta
 from deployments.tracing import Tracing
 from engine.errors import InvalidRequestError
@@ -95,7 +94,7 @@ class Frontend:
         self._engine_info: dict | None = None
         self._engine_info_call: asyncio.Future | None = None
         self._inflight: dict[str, _Inflight] = {}
-        self._keys = ApiKeys(config.api_keys, config.api_keys_file)
+        self._keys = KeyList(config.api_keys, config.api_keys_file)
         self._admission = Admission(engine.replica_loads if engine is not None else None, config.ingress_replicas)
         self.adapters = Adapters(config.lora_adapters, config.lora_load_dir, engine)
         self.metrics = IngressMetrics(recorder_for(config.served_model_name))  # rejections, counted by the protocols

@@ -1,19 +1,24 @@
-"""What every HTTP API of the ingress shares: the body read within its limit, JSON parsed with
-clear errors, and errors rendered as a status code and a JSON body."""
+"""What every HTTP API of the ingress shares: the body read within its limit, JSON parsed and
+validated with clear errors (``validate_body``), and errors rendered as a status code and a JSON body."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-from typing import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from deployments.errors import BadRequest, PayloadTooLarge, ServingError, to_serving_error
+from deployments.requests import GenerateInput, bad_request
+from deployments.tools import ToolUse
 from deployments.tracing import trace_headers
+from engine.validation import field_errors
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -29,6 +34,36 @@ def error_response(exc: BaseException, body: Callable[[ServingError], dict] = Se
     err = exc if isinstance(exc, ServingError) else to_serving_error(exc)
     headers = {"retry-after": str(math.ceil(err.retry_after_s))} if err.http_status in (429, 503) else None
     return AsciiJSONResponse(body(err), status_code=err.http_status, headers=headers)
+
+
+def model_id(model: Any) -> Any:
+    """Any string goes on: one not served is NOT_FOUND (the frontend's check), not a bad request."""
+    if not isinstance(model, str) or not model:
+        raise ValueError("must be a model id from /v1/models")
+    return model
+
+
+@dataclass(frozen=True)
+class ParsedBody:
+    input: GenerateInput
+    stream: bool
+    include_usage: bool
+    tools: ToolUse = ToolUse()
+    """How the reply is read for tool calls (``deployments.tools``; nothing read by default)."""
+    echo: bool = False
+    """Completions: the prompt comes back before each choice's text (and logprobs)."""
+
+
+def validate_body(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = [k for k in body if k not in model.model_fields]
+    if unknown:  # here, not by pydantic: a key with a lone surrogate would lose its name there
+        raise BadRequest(f"unknown field {unknown[0]}; allowed: {', '.join(model.model_fields)}", param=unknown[0])
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise bad_request(field_errors(exc, model)) from None
 
 
 DISCARD_BYTES = 64 << 20

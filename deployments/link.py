@@ -11,7 +11,7 @@ request (``model_info``, loads), and routes ``link_address`` for an ingress whos
 not heard from any replica yet (its first requests, or none running: Serve's queue is what the
 autoscaler scales up from).
 
-Frames are typed MessagePack (``deployments.link_wire``): nothing read from the socket is
+Frames are typed MessagePack (``deployments.contract``): nothing read from the socket is
 unpickled or run, and no frame is read at all before both sides have proved they hold the
 application's random token (``new_token``): each sends a fresh nonce and an HMAC of both nonces
 under the token, so the token never crosses the wire and a recorded handshake cannot be replayed;
@@ -36,11 +36,10 @@ from typing import AsyncIterator, Protocol
 
 import msgspec
 
-from deployments.contract import EngineMessage, EngineRequest
-from deployments.link_wire import (LINK_TOKEN_ENV, LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls,
-                                   ReloadingTls, SubmitIn,
-                                   check_token, frame, keepalive, link_keys, mac, new_token, outputs, proven_key,
-                                   read_ingress_frame)
+from deployments.contract import (LINK_VERSION, Abort, EngineMessage, EngineRequest, Found, Hello, SubmitIn, frame,
+                                  outputs, read_ingress_frame)
+from deployments.link_auth import (LINK_TOKEN_ENV, MAC_BYTES, NONCE_BYTES, LinkTls, ReloadingTls, check_token,
+                                   keepalive, link_keys, mac, new_token, proven_key)
 
 __all__ = ["LINK_TOKEN_ENV", "LinkServer", "LinkTls", "check_token", "new_token"]
 
@@ -107,7 +106,7 @@ def log_access(request_id: str, status: str, since: float) -> None:
 
 class LinkServer:
     """A replica's link endpoint: the handshake and a ``Hello``, then ``Submit`` and ``Abort``
-    frames in; batches of ``Output`` out (``deployments.link_wire``)."""
+    frames in; batches of ``Output`` out (``deployments.contract``)."""
 
     def __init__(self, replica: Replica, token: str, host: str = "127.0.0.1", tls: LinkTls | None = None) -> None:
         self._keys = link_keys(token)

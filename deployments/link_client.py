@@ -16,15 +16,19 @@ import itertools
 import secrets
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import msgspec
 
-from deployments.contract import EngineMessage, EngineRequest, coalesce
+from deployments.contract import (LINK_VERSION, Abort, EngineMessage, EngineRequest, Found, Hello, Submit, coalesce,
+                                  frame, read_outputs)
 from deployments.errors import Unavailable
-from deployments.link_wire import (LINK_VERSION, MAC_BYTES, NONCE_BYTES, Abort, Found, Hello, LinkTls, ReloadingTls,
-                                   Submit, frame, keepalive, link_keys, mac, proven_key, read_outputs)
+from deployments.link_auth import MAC_BYTES, NONCE_BYTES, LinkTls, ReloadingTls, keepalive, link_keys, mac, proven_key
+from router import registry
 from router.policy import RoutingStats
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 CONNECT_TIMEOUT_S = 5.0
 ABORT_REPLY_S = 10.0
@@ -122,7 +126,7 @@ class _Link:
 
 
 class LinkEngineClient:
-    """``EngineClient`` over engine links; ``serve`` (``ingress.HandleEngineClient``, or
+    """``EngineClient`` over engine links; ``serve`` (``HandleEngineClient``, or
     ``engine_client.LocalEngineClient`` in tests) carries what is not per request.
 
     ``choose(request, avoid)``: ``(replica_id, link address)`` from the slot-aware router, among
@@ -314,3 +318,72 @@ class LinkEngineClient:
                 return await answer
         finally:
             del self._replies[reply]
+
+
+# -- what goes through Serve
+
+class LinkRouter(Protocol):
+    """What the ingress asks of ``router.request_router.SlotAwareRequestRouter``."""
+
+    def choose_for_link(self, request: EngineRequest, avoid: frozenset = frozenset()) -> "tuple[str, str] | None":
+        """``(replica_id, link address)`` for ``request``, not one in ``avoid``; counted as sent."""
+
+    def request_finished(self, request_id: str) -> None:
+        """A request sent with ``choose_for_link`` ended: it takes no slot any more."""
+
+    def replica_stats(self) -> list[RoutingStats]:
+        """The routing stats of every running replica, as last polled (``healthy: False`` when none yet)."""
+
+
+class HandleEngineClient:
+    """What goes through Serve (``link_client.LinkEngineClient``'s ``serve``), and what the router
+    Serve runs in this process knows, once Serve has built it (``router.registry``)."""
+
+    def __init__(self, handle: DeploymentHandle, deployment: str) -> None:
+        self._handle = handle
+        self._deployment = deployment  # "<app>#<name>"
+        self._first_call: asyncio.Future | None = None
+
+    @property
+    def _router(self) -> LinkRouter | None:
+        return registry.find(self._deployment)
+
+    async def model_info(self) -> dict:
+        return await self._handle.model_info.remote()
+
+    async def replica_loads(self) -> list[RoutingStats]:
+        """Every replica's routing stats, as this process's router last polled them; none before
+        Serve has made that router, which a handle's first call does (started here, not awaited:
+        it waits for a replica, and a health check asking for loads must not)."""
+        router = self._router
+        if router is None:
+            if self._first_call is None or self._first_call.done():
+                self._first_call = asyncio.ensure_future(self.model_info())
+                self._first_call.add_done_callback(lambda f: f.cancelled() or f.exception())  # no replica yet: retried
+            return []
+        return router.replica_stats()
+
+    async def manage_lora(self, name: str, path: str | None) -> int:
+        """Every replica loads (or unloads) the adapter: one call each, pinned to it by the slot-aware router."""
+        # One at a time: handle calls made while serving one request share its internal request id,
+        # and Serve's router (2.60) indexes pending calls by it, so a second concurrent call is
+        # never matched to the replica chosen for it and hangs.
+        done = 0
+        for stats in await self.replica_loads():
+            await self._handle.manage_lora.remote({"replica_id": stats.replica_id, "lora_name": name,
+                                                   "lora_path": path})
+            done += 1
+        return done
+
+    async def link_address(self, request: EngineRequest) -> tuple[str, str]:
+        """A replica for ``request`` and its link address, routed (and queued) by Serve."""
+        return await self._handle.link_address.remote(request)
+
+    def choose(self, request: EngineRequest, avoid: frozenset) -> tuple[str, str] | None:
+        router = self._router
+        return router.choose_for_link(request, avoid) if router is not None else None
+
+    def request_finished(self, request_id: str) -> None:
+        router = self._router
+        if router is not None:
+            router.request_finished(request_id)

@@ -51,7 +51,7 @@ class MetricDef:
     lora_only: bool = False
     """Recorded only by replicas that serve LoRA adapters (engine option ``lora``)."""
     tenant_only: bool = False
-    """Recorded only by ingresses of an app with ``tenants`` (deployments.quotas)."""
+    """Recorded only by ingresses of an app with ``tenants`` (deployments.admission)."""
 
 
 METRICS: dict[str, MetricDef] = {
@@ -112,7 +112,7 @@ METRICS: dict[str, MetricDef] = {
                                      tags=("dtype", "quantization")),
     "requests_rejected": MetricDef("counter", "Generation requests answered with an error, by reason.",
                                    tags=("reason",)),
-    # ingress of an app with tenants (deployments.quotas)
+    # ingress of an app with tenants (deployments.admission)
     "tenant_requests": MetricDef("counter", "Requests of each tenant: admitted, refused by its limits "
                                  "(outcome: concurrency, waiting, tokens), or refused by the ingress's share of the "
                                  "engines' capacity, or its fair share of a contended ingress, before its limits "

@@ -133,7 +133,7 @@ class PreparedRequest:
     cache_salt: str | None = None
     """Cached prefix blocks are shared only between requests of the same salt (``salted_root``)."""
     tenant: str | None = None
-    """Whose request it is (``deployments.tenants``): its limits apply (``deployments.quotas``), and
+    """Whose request it is (``deployments.tenants``): its limits apply (``deployments.admission``), and
     the engines share service between tenants by weight (``engine.fairness``)."""
     tenant_weight: float = 1.0
     arrival_time: float | None = None

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, ValidationInfo, field_validator
 
-from deployments.openai_protocol import model_id, validate_body
+from deployments.http_common import model_id, validate_body
 from deployments.requests import MAX_MESSAGES, GenerateInput, Unread, kind_tag, parse_messages
 from deployments.tools import MAX_TOOLS, FunctionDef, NamedToolChoice, ToolDef, ToolUse, tool_use
 from engine.structured import StructuredOutputs, grammar_problem

@@ -1,7 +1,7 @@
 """Tenants: who sends a request, told by its API key at the ingress (app config ``tenants``).
 
 A tenant has its own keys, its own range of ``priority`` values, its own limits (requests in flight,
-requests waiting for their first token, tokens per minute: ``deployments.quotas``), and its own
+requests waiting for their first token, tokens per minute: ``deployments.admission``), and its own
 prefix cache: its requests' block hashes are salted with its name, so no tenant's ``cached_tokens``
 reveal anything of another's prompts unless it is configured to share (``share_cache``). Keys of the flat ``api_keys`` /
 ``api_keys_file`` list keep working as requests of no tenant, under the app's own limits.
@@ -13,12 +13,13 @@ import functools
 import hashlib
 import hmac
 import logging
+import os
+import time
 from dataclasses import dataclass, field
-from typing import Annotated, Iterable
+from typing import Annotated, Iterable, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from deployments.admission import ApiKeys as KeyList
 from deployments.errors import BadRequest
 from deployments.requests import PRIORITY_RANGE
 from engine.validation import Bool, Float, Int, Str
@@ -32,9 +33,12 @@ def check_bounds(bounds: tuple[int, int]) -> tuple[int, int]:
     return bounds
 
 
+MIN_KEY_CHARS = 8
+
+
 def check_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
-    if any(len(k) < 8 for k in keys):
-        raise ValueError("must be strings of at least 8 characters")
+    if any(len(k) < MIN_KEY_CHARS for k in keys):
+        raise ValueError(f"must be strings of at least {MIN_KEY_CHARS} characters")
     return keys
 
 
@@ -43,6 +47,48 @@ PriorityRange = Annotated[tuple[Priority, Priority], AfterValidator(check_bounds
 """[lowest, highest] ``priority`` a client may send."""
 ApiKeys = Annotated[tuple[Str, ...], AfterValidator(check_keys)]
 """Strings of at least 8 characters; never shown in errors or logs (give their fields repr=False)."""
+
+
+class KeyList:
+    """The accepted keys: the configured ones plus those in a file, re-read once it changes."""
+
+    CHECK_PERIOD_S = 1.0
+
+    def __init__(self, keys: Sequence[str], path: str | None) -> None:
+        self._fixed = tuple(keys)
+        self._path = path
+        self._from_file: tuple[str, ...] = ()
+        self._stamp: tuple[int, int] | None = None
+        self._checked = float("-inf")
+        if path is not None:
+            self._reload()  # a missing or bad file fails the replica at start, not the first request
+
+    def current(self) -> tuple[str, ...]:
+        if self._path is not None and time.monotonic() - self._checked >= self.CHECK_PERIOD_S:
+            try:
+                self._reload()
+            except (OSError, ValueError) as exc:  # keep serving with the last good keys
+                logger.error("api_keys_file %s not reloaded: %s", self._path, exc)
+        return self._fixed + self._from_file
+
+    @property
+    def required(self) -> bool:
+        """A configured keys file asks for a key even while it holds none (fail closed)."""
+        return bool(self._fixed) or self._path is not None
+
+    def _reload(self) -> None:
+        self._checked = time.monotonic()
+        st = os.stat(self._path)
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        with open(self._path, encoding="utf-8") as f:
+            keys = tuple(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
+        short = sum(len(k) < MIN_KEY_CHARS for k in keys)
+        if short:
+            raise ValueError(f"{short} key(s) shorter than {MIN_KEY_CHARS} characters")
+        self._from_file, self._stamp = keys, stamp
+        logger.info("api_keys_file %s: %d keys", self._path, len(keys))
 
 
 class TenantConfig(BaseModel):
@@ -59,12 +105,12 @@ class TenantConfig(BaseModel):
     share_cache: Bool = False
     """True: its prompts share cached blocks with every request of no tenant or another sharing one."""
     max_concurrent_requests: Int | None = Field(None, ge=1)
-    """Requests in flight at once, over the whole deployment (``deployments.quotas``); None: no limit."""
+    """Requests in flight at once, over the whole deployment (``deployments.admission``); None: no limit."""
     max_tokens_per_minute: Int | None = Field(None, ge=1)
     """Prompt and output tokens a minute, over the whole deployment; None: no limit."""
     max_waiting: Int | None = Field(None, ge=1)
     """Requests admitted but without their first token yet, at once, over the whole deployment: what
-    it may queue ahead of the others (``deployments.quotas``); None: no limit."""
+    it may queue ahead of the others (``deployments.admission``); None: no limit."""
     weight: Float = Field(1.0, gt=0, le=1000)
     """Its share of the engines' service when tenants contend, relative to the others' (requests of
     no tenant weigh 1): token-fair scheduling (``engine.fairness``), and its share of an ingress's

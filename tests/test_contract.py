@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from deployments.contract import EngineMessage, coalesce
-from deployments.link_wire import Output, as_item, outputs
+from deployments.contract import Output, as_item, outputs
 from engine.outputs import RequestTiming, StreamOutput
 
 

@@ -1,4 +1,4 @@
-"""The ingress's side of the slot-aware router (deployments.ingress.HandleEngineClient), without a cluster."""
+"""The ingress's side of the slot-aware router (deployments.link_client.HandleEngineClient), without a cluster."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from tests.test_router_ray import PROMPT, _router, _stats
 
 
 def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
-    """deployments.ingress.HandleEngineClient: before Serve made this process's router (a handle's first
+    """deployments.link_client.HandleEngineClient: before Serve made this process's router (a handle's first
     call does, and that call waits for a replica) loads are empty at once; then they are the router's."""
     import asyncio
     from types import SimpleNamespace
@@ -16,7 +16,7 @@ def test_the_ingress_reads_loads_from_its_router_and_never_waits_for_one():
     from ray.serve._private.common import DeploymentID
     from ray.serve.request_router import ReplicaID
 
-    from deployments.ingress import HandleEngineClient
+    from deployments.link_client import HandleEngineClient
 
     class Handle:  # a deployment handle whose calls wait: no replica is up yet
         def __init__(self) -> None:

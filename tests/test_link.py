@@ -19,7 +19,7 @@ from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
 from deployments.link import Connection, LinkServer, check_token, new_token
 from deployments.link_client import LinkEngineClient
-from deployments.link_wire import Hello, frame
+from deployments.contract import Hello, frame
 from deployments.replica import EngineReplica
 from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams

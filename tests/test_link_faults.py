@@ -17,7 +17,7 @@ from deployments.contract import EngineMessage
 from deployments.errors import Unavailable
 from deployments.link import Connection, LinkServer, new_token
 from deployments.link_client import LinkEngineClient
-from deployments.link_wire import HEADER, Abort, Output, Submit, as_item, frame, outputs, read_outputs
+from deployments.contract import HEADER, Abort, Output, Submit, as_item, frame, outputs, read_outputs
 from tests.serving_helpers import run, wait_idle, wait_load
 from tests.test_link import LONG, _linked, _replicas, _request, _running, _shutdown, _tokens
 

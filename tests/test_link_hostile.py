@@ -19,11 +19,10 @@ from msgspec.structs import asdict
 import pytest
 
 import deployments.link as link
-from deployments.contract import EngineRequest
+from deployments.contract import EngineRequest, Hello, Submit, decode_ingress_frame, frame, read_outputs
 from deployments.link import new_token
+from deployments.link_auth import MAC_BYTES, NONCE_BYTES, mac
 from deployments.link_client import LinkEngineClient
-from deployments.link_wire import (MAC_BYTES, NONCE_BYTES, Hello, Submit, decode_ingress_frame, frame, mac,
-                                   read_outputs)
 from engine.errors import InvalidRequestError
 from tests.serving_helpers import run
 from tests.test_link import _replicas, _request, _shutdown, _tokens
@@ -151,7 +150,7 @@ def test_a_submit_arrives_as_the_request_the_ingress_sent():
 
 
 def test_a_resumed_n_request_and_every_output_field_cross_the_link_unchanged():
-    from deployments.link_wire import Output, as_item, outputs
+    from deployments.contract import Output, as_item, outputs
     from deployments.contract import EngineMessage
     from engine.outputs import RequestTiming, StreamOutput
 

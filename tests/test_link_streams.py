@@ -17,7 +17,7 @@ from deployments.engine_client import LocalEngineClient
 from deployments.errors import Unavailable
 from deployments.link import new_token
 from deployments.link_client import LinkEngineClient
-from deployments.link_wire import outputs
+from deployments.contract import outputs
 from engine.errors import EngineDeadError
 from engine.sampling import SamplingParams
 from tests.serving_helpers import run, wait_idle, wait_load

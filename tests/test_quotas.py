@@ -1,4 +1,4 @@
-"""Each tenant's limits at the ingress (deployments.quotas): requests in flight and tokens per
+"""Each tenant's limits at the ingress (deployments.admission): requests in flight and tokens per
 minute, shared over ingress replicas, refused with 429 and retry-after naming the limit, counted
 per tenant in the metrics; other tenants and requests of no tenant are not held back."""
 
@@ -15,7 +15,7 @@ from deployments.contract import EngineMessage
 from deployments.engine_client import LocalEngineClient
 from deployments.errors import Overloaded, TenantLimitExceeded
 from deployments.frontend import Frontend, FrontendConfig
-from deployments.quotas import TenantQuotas
+from deployments.admission import TenantQuotas
 from deployments.replica import EngineReplica
 from deployments.requests import GenerateInput
 from deployments.tenants import Tenant

@@ -41,9 +41,9 @@ def test_same_client_request_id_twice_is_served_twice_and_isolated(tokenizer):
 
 
 def test_api_keys_file_rotates_without_restart(tokenizer, tmp_path, monkeypatch):
-    from deployments.admission import ApiKeys
+    from deployments.tenants import KeyList
 
-    monkeypatch.setattr(ApiKeys, "CHECK_PERIOD_S", 0.0)  # re-check on every request
+    monkeypatch.setattr(KeyList, "CHECK_PERIOD_S", 0.0)  # re-check on every request
     keys = tmp_path / "keys"
     keys.write_text("# one per line\nfirst-key-1\n\nsecond-key-2\n")
     fe = Frontend(FrontendConfig(served_model_name="tiny", model="m", api_keys=("fixed-key-0",),

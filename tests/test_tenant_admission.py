@@ -1,4 +1,4 @@
-"""Issue 49 at the ingress: a tenant's ``max_waiting`` (deployments.quotas), fair shares of a contended
+"""Issue 49 at the ingress: a tenant's ``max_waiting`` (deployments.admission), fair shares of a contended
 ingress by weight (deployments.admission.FairShares), and autoscaling with tenants (router.autoscale):
 demand held back by fairness counts, demand refused by a tenant's own quota does not."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from deployments.admission import Capacity, FairShares
 from deployments.errors import Overloaded, TenantLimitExceeded, Unavailable
-from deployments.quotas import TenantQuotas
+from deployments.admission import TenantQuotas
 from deployments.requests import GenerateInput
 from deployments.tenants import Tenant
 from tests.serving_helpers import make_frontend, run, wait_idle

@@ -79,9 +79,9 @@ def test_bad_tenants_are_refused_by_name(tenants, message):
 
 
 def test_a_tenants_keys_come_from_a_file_that_rotates_without_restart(tokenizer, tmp_path, monkeypatch):
-    from deployments.admission import ApiKeys
+    from deployments.tenants import KeyList
 
-    monkeypatch.setattr(ApiKeys, "CHECK_PERIOD_S", 0.0)  # re-read at every request
+    monkeypatch.setattr(KeyList, "CHECK_PERIOD_S", 0.0)  # re-read at every request
     a_keys, b_keys = tmp_path / "a", tmp_path / "b"
     a_keys.write_text("# team a\nkey-file-a-1\n")
     b_keys.write_text("key-file-b-1\n")
@@ -121,10 +121,10 @@ def test_a_tenant_copied_to_another_process_reads_its_keys_file_there(tmp_path):
 
 
 def test_a_key_two_tenants_hold_is_logged_once_per_change_of_their_files(tmp_path, monkeypatch, caplog):
-    from deployments.admission import ApiKeys
+    from deployments.tenants import KeyList
     from deployments.tenants import Tenant, tenant_of
 
-    monkeypatch.setattr(ApiKeys, "CHECK_PERIOD_S", 0.0)  # re-read at every request
+    monkeypatch.setattr(KeyList, "CHECK_PERIOD_S", 0.0)  # re-read at every request
     a_keys, b_keys = tmp_path / "a", tmp_path / "b"
     a_keys.write_text("key-clash-shared\n")
     b_keys.write_text("key-clash-shared\n")
