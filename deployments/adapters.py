@@ -1,4 +1,5 @@
-"""Which LoRA adapters the ingress serves, and loading them at run time (docs/LORA.md).
+"""Which LoRA adapters the ingress serves, loading them at run time, and the body of vLLM's load and
+unload routes (docs/LORA.md).
 
 The engines are the authority: an adapter is served when the app's config names it (every
 replica reads those at start) or when a replica reports it in its routing stats (loaded at run
@@ -10,9 +11,14 @@ from __future__ import annotations
 
 import posixpath
 import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.errors import BadRequest, ModelNotFound, Unavailable
+from deployments.http_common import validate_body
 from engine.config import ADAPTER_NAME
+from engine.validation import Str
 
 
 class Adapters:
@@ -78,3 +84,17 @@ class Adapters:
             raise BadRequest(f"lora_path must lie inside lora_load_dir ({root}), got {path!r:.200}",
                              param="lora_path")
         return full
+
+
+class LoRAAdapterRequest(BaseModel):
+    """vLLM's body of ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: Str = Field(min_length=1, max_length=128)
+    lora_path: Str | None = Field(None, min_length=1, max_length=4096)
+    load_inplace: Literal[False] = False
+    """vLLM's in-place reload is not served: unload, then load."""
+
+    @classmethod
+    def parse(cls, body: Any) -> "LoRAAdapterRequest":
+        return validate_body(cls, body)

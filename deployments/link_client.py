@@ -1,4 +1,5 @@
-"""The ingress's side of the engine links (``deployments.link``): an ``EngineClient``.
+"""The ingress's side of the engine links (``deployments.link``): an ``EngineClient``, and beside it
+what still goes through Serve (``HandleEngineClient``: model info, LoRA loads, the first replica).
 
 Each request goes to the replica the slot-aware router picks (``choose``), written on this
 ingress's one connection to that replica; a reader per connection hands each stream its
@@ -336,7 +337,7 @@ class LinkRouter(Protocol):
 
 
 class HandleEngineClient:
-    """What goes through Serve (``link_client.LinkEngineClient``'s ``serve``), and what the router
+    """What goes through Serve (``LinkEngineClient``'s ``serve``), and what the router
     Serve runs in this process knows, once Serve has built it (``router.registry``)."""
 
     def __init__(self, handle: DeploymentHandle, deployment: str) -> None:

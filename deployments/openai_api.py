@@ -23,12 +23,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.adapters import LoRAAdapterRequest
 from deployments.anthropic_api import add_anthropic_routes, is_anthropic_path
 from deployments.embeddings import add_embeddings_routes
 from deployments.errors import BadRequest, ModelNotFound, ServingError, to_serving_error
 from deployments.frontend import Frontend
 from deployments.http_common import ParsedBody, error_response, first_delta, id_headers, ingress_span, read_json
-from deployments.openai_protocol import LoRAAdapterRequest, ResponseBuilder, parse_chat_body, parse_completion_body
+from deployments.openai_protocol import ResponseBuilder, parse_chat_body, parse_completion_body
 from deployments.openai_schema import install_openapi
 from deployments.responses_api import add_responses_routes
 

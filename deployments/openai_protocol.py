@@ -242,20 +242,6 @@ class ChatRequest(_Request):
         return fields
 
 
-class LoRAAdapterRequest(BaseModel):
-    """vLLM's body of ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
-
-    model_config = ConfigDict(extra="forbid")
-    lora_name: Str = Field(min_length=1, max_length=128)
-    lora_path: Str | None = Field(None, min_length=1, max_length=4096)
-    load_inplace: Literal[False] = False
-    """vLLM's in-place reload is not served: unload, then load."""
-
-    @classmethod
-    def parse(cls, body: Any) -> "LoRAAdapterRequest":
-        return validate_body(cls, body)
-
-
 def parse_completion_body(body: Any, request_id: str | None = None) -> ParsedBody:
     req = validate_body(CompletionRequest, body)
     sampling = req.sampling()

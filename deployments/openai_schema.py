@@ -22,8 +22,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, TypeAdapter
 
-from deployments.openai_protocol import (REFUSED, ChatRequest, CompletionRequest, LoRAAdapterRequest, ResponseFormat,
-                                         StreamOptions)
+from deployments.adapters import LoRAAdapterRequest
+from deployments.openai_protocol import REFUSED, ChatRequest, CompletionRequest, ResponseFormat, StreamOptions
 from deployments.requests import PRIORITY_RANGE, Messages
 from deployments.tools import MAX_TOOLS, NamedToolChoice, ToolDef
 from engine.kv.hashing import MAX_CACHE_SALT_CHARS
