@@ -11,8 +11,6 @@ which replica takes an ingress's first requests, before its router has heard fro
 
 from __future__ import annotations
 
-import logging
-
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -22,8 +20,6 @@ from deployments.link import LinkTls
 from deployments.link_client import HandleEngineClient, LinkEngineClient
 from deployments.openai_api import build_openai_app
 from deployments.replica import show_engine_log
-
-logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 
