@@ -3,9 +3,9 @@
 # the `gpu` tests (kernels compiled, CUDA graphs, memory budget, HF oracle on CUDA, LoRA against
 # HF + PEFT), the kernels of a decode step (benchmarks.kernels), a served-size engine's plan
 # (benchmarks.gpu_plan), FP8 and INT4 weights against bf16 on Llama-3.1-8B's shape
-# (benchmarks.quant_gpu), the GPU benchmark (random weights of Llama-3.2-1B's shape, bf16;
-# BENCH_ARGS adds options) and LoRA's cost per token on that shape (benchmarks.lora). Logs and
-# results go to $OUT. A step whose *_S limit is 0 is skipped.
+# (benchmarks.quant_gpu; QUANT_ARGS adds options, e.g. --compile), the GPU benchmark (random
+# weights of Llama-3.2-1B's shape, bf16; BENCH_ARGS adds options) and LoRA's cost per token on
+# that shape (benchmarks.lora). Logs and results go to $OUT. A step whose *_S limit is 0 is skipped.
 #
 # Wheels of packages the machine lacks (pydantic and its parts) may sit in .whl/.
 # Ray is not needed: engine/ never imports it (tests/test_nvml.py does, so it is left out).
@@ -51,7 +51,7 @@ fi
 
 if [ "${QUANT_S:-300}" != 0 ]; then  # products of one layer, then decode steps at 1 and 16 running
     timeout "${QUANT_S:-300}" python3 -m benchmarks.quant_gpu --model-shape llama-8b --json "$OUT/quant.json" \
-        2>&1 | tee "$OUT/quant.log"
+        ${QUANT_ARGS:-} 2>&1 | tee "$OUT/quant.log"
 fi
 
 if [ "${PLAN_S:-120}" != 0 ]; then  # a served-size engine: kernel, gather buffer, graphs, KV pool

@@ -6,10 +6,13 @@
    rows: bfloat16 (``F.linear``, cuBLAS), FP8 W8A16 (the Triton kernel), FP8 W8A8 (activations
    per token, ``torch._scaled_mm``; compute capability 8.9+) and INT4 W4A16 (the Triton kernel).
    Several layers' weights rotate, so no product finds its weights in L2. Each reports the bytes
-   of weights it reads per second.
+   of weights it reads per second. On CUDA the products are timed as replays of a CUDA graph, and
+   first every candidate tile of both Triton kernels is (tensor-core tiles and, up to 16 rows,
+   register tiles): the fastest per number of rows goes to the engine's ``TUNED`` for the steps.
 2. **Decode steps.** The engine on random weights of the shape (bfloat16, then rounded at load
-   with ``quantization: fp8`` and ``int4``), CUDA graphs on, the same requests: milliseconds per
-   decode step at each number of running requests, the weights' bytes and the KV pool they leave.
+   with ``quantization: fp8`` and ``int4``), CUDA graphs on, eager modules unless ``--compile``, the
+   same requests: milliseconds per decode step at each number of running requests, the weights'
+   bytes and the KV pool they leave.
 
 On a CPU (``--device cpu``, a small shape) it runs the same code in Triton's interpreter, which
 checks the script, not the speed.
@@ -38,12 +41,23 @@ def _timer(device: str):
 
     if device == "cuda":
         def timed(fn, reps: int) -> float:
-            fn()
+            """Seconds per replay of ``fn`` captured in a CUDA graph, as the engine replays its decode
+            steps. Timed eagerly, a Triton launch's host cost (tens of microseconds) and the split
+            tiles' extra sum rank small products by the host's pace, not the GPU's."""
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # compiles the kernels first: a capture cannot
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graph.replay()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(reps):
-                fn()
+                graph.replay()
             end.record()
             torch.cuda.synchronize()
             return start.elapsed_time(end) / reps / 1000
@@ -62,8 +76,13 @@ def _candidates(m: int):
     from engine.model.triton_quant import Tile
 
     if m <= 16:
+        # Register tiles (gemv) hold block_m x block_n x block_k float32 products: <= 64 a thread.
+        gemv = [Tile(1, 64, 128, 4, 3, gemv=True), Tile(1, 32, 256, 4, 3, gemv=True),
+                Tile(1, 128, 128, 8, 3, gemv=True), Tile(1, 64, 256, 8, 4, gemv=True)] if m == 1 else [
+                Tile(2, 32, 128, 4, 3, gemv=True), Tile(4, 32, 64, 4, 3, gemv=True),
+                Tile(4, 64, 64, 8, 3, gemv=True), Tile(8, 32, 64, 8, 3, gemv=True)]
         return [Tile(16, 64, 128, 4, 3), Tile(16, 64, 256, 4, 4), Tile(16, 128, 128, 4, 4), Tile(16, 32, 256, 4, 4),
-                Tile(16, 64, 128, 8, 5), Tile(16, 64, 128, 4, 3, split=False)]
+                Tile(16, 64, 128, 8, 5), Tile(16, 64, 128, 4, 3, split=False)] + gemv
     if m <= 64:
         return [Tile(64, 64, 128, 4, 3), Tile(64, 128, 64, 4, 4), Tile(32, 64, 128, 4, 4), Tile(64, 64, 128, 4, 4, False)]
     return [Tile(64, 128, 64, 4, 3), Tile(128, 128, 64, 8, 3), Tile(64, 128, 128, 8, 3), Tile(128, 64, 64, 4, 4)]
@@ -103,7 +122,7 @@ def tune(fields: dict, rows: list[int], device: str, layers: int, reps: int) -> 
                                 triton_quant.int4_mm(x[p], w.qweight, w.scales, w.zeros, w.group, tile)
                 try:
                     us = timed(run, reps) / len(held) * 1e6
-                except Exception as exc:  # a tile too large for the GPU's shared memory
+                except Exception as exc:  # a tile too large for the GPU's shared memory or registers
                     print(f"  {kernel} {m} rows {tile}: {type(exc).__name__}", flush=True)
                     continue
                 found.append({"kernel": kernel, "rows": m, "tile": dataclasses.asdict(tile), "layer_us": us})
@@ -161,7 +180,7 @@ def products(fields: dict, rows: list[int], device: str, layers: int, reps: int)
 
 
 def decode_steps(model_dir: str, levels: list[int], device: str, steps: int, quantizations: list[str | None],
-                 prompt_len: int) -> list[dict]:
+                 prompt_len: int, compile_model: bool = False) -> list[dict]:
     import gc
 
     import torch
@@ -178,7 +197,7 @@ def decode_steps(model_dir: str, levels: list[int], device: str, steps: int, qua
     results = []
     for q in quantizations:
         t0 = time.perf_counter()
-        engine = make_engine(settings, compile_model=False, quantization=q)
+        engine = make_engine(settings, compile_model=compile_model, quantization=q)
         runner = engine.runner
         print(f"\n# {q or dtype}: loaded in {time.perf_counter() - t0:.1f} s, weights {runner.param_bytes / 2**30:.2f} "
               f"GiB, CUDA graphs {runner.graphs is not None}", flush=True)
@@ -252,7 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--skip-steps", action="store_true", help="products only")
-    ap.add_argument("--no-tune", action="store_true", help="the kernels' default tiles, no search (CUDA)")
+    ap.add_argument("--compile", action="store_true",
+                    help="decode steps of the compiled model (inductor fuses what lies between the products)")
+    ap.add_argument("--no-tune", action="store_true", help="the kernels' default tiles, no search")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     fields = MODEL_SHAPES[args.model_shape][1]
@@ -262,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         out["gpu"] = torch.cuda.get_device_name()
         out["torch"] = torch.__version__
     print(f"## one decoder layer's products, {args.model_shape} shape", flush=True)
-    if args.device == "cuda" and not args.no_tune:
+    if not args.no_tune:
         print("## tiles tried", flush=True)
         out["tiles"] = tune(fields, [int(r) for r in args.rows.split(",")], args.device, args.layers, args.reps)
         from engine.model.triton_quant import TUNED
@@ -275,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             model_dir = make_shaped_model_dir(tmp, args.model_shape, dtype, args.device)
             print(f"\n## decode steps: random weights written in {time.perf_counter() - t0:.1f} s", flush=True)
             out["steps"] = decode_steps(str(model_dir), [int(x) for x in args.levels.split(",")], args.device,
-                                        args.steps, [None, "fp8", "int4"], args.prompt_len)
+                                        args.steps, [None, "fp8", "int4"], args.prompt_len, args.compile)
         out["ratios"] = ratios(out["steps"])
         print("\n" + "\n".join(out["ratios"]))
     if args.json:

@@ -200,3 +200,19 @@ def test_the_kernel_librarys_attention_op_serves_decode_steps_and_hands_other_st
     torch.ops.slotserve_cpu.bind_attention_step(backend.decode_step_index(decode), backend.scale)
     with pytest.raises(RuntimeError, match="the bound step has 4 tokens"):
         op(q, k, v, *caches[1])
+
+
+def test_compiled_model_over_int4_layers_gives_the_eager_tokens(tiny_model_dir):
+    """torch.compile over INT4 layers (engine.model.gpu_quant; Triton's interpreter on CPU): their
+    ``qweight`` must not be taken for GGUF blocks, which the compiled model binds to the kernel library."""
+    from engine.model.gpu_quant import interpreted
+    if not interpreted():
+        pytest.skip("INT4 layers run on CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
+    options = {**OPTIONS, "quantization": "int4"}
+    tokens = []
+    for eager in (True, False):
+        llm = LLM(str(tiny_model_dir), **{**options, "enforce_eager": eager})
+        assert (llm.engine.runner.compiled is None) == eager
+        tokens.append(_greedy(llm))
+        del llm
+    assert tokens[0] == tokens[1]

@@ -181,7 +181,8 @@ def _gguf_table(model: torch.nn.Module) -> tuple | None:
     """Numbers every module of ``model`` that holds GGUF blocks (``qindex``) and returns the arguments
     of ``slotserve_cpu::bind_gguf_layers`` for them; None without any."""
     from engine.model.quant import INT8_MAX_ROWS, QUANT_MAX_ROWS
-    held = [m for m in model.modules() if getattr(m, "qweight", None) is not None and m.qout > 0]
+    # By ``qout``, not ``qweight``: a GPU INT4 layer (engine.model.gpu_quant) holds a ``qweight`` too.
+    held = [m for m in model.modules() if getattr(m, "qout", 0) > 0 and m.qweight is not None]
     if not held:
         return None
     for index, module in enumerate(held):

@@ -8,6 +8,10 @@ multiply on tensor cores (W8A16, W4A16), so a step reads 1 or 0.5 byte per weigh
 - ``int4_mm``: 4-bit weights packed eight to an int32 along K (``[K / 8, N]``), with a scale and a
   zero point per ``group`` input features and output channel: ``w = (q - zero) * scale``.
 
+For a few rows, tensor-core tiles pad the rows to 16; a tile's ``gemv`` (the kernels' ``GEMV``) has
+them multiply and add in float32 registers instead, and the tile search of benchmarks.quant_gpu
+picks between the two kinds per number of rows.
+
 Decode steps have few rows, so output tiles alone would leave most multiprocessors idle: the
 reduction over K is then split across programs (``split_k``), each writing float32 partial sums that
 one ``sum`` adds in a fixed order (no atomics, so a row's result does not depend on scheduling).
@@ -28,7 +32,8 @@ import triton.language as tl
 @triton.jit
 def _fp8_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_split, stride_xm, stride_wn, stride_sn, stride_om,
             stride_os, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+            GEMV: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,13 +54,16 @@ def _fp8_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_split, stride_xm, stride_wn
                         other=0.0)
         # BLOCK_K divides SCALE_K: one scale a column per tile.
         s = tl.load(s_ptr + (rn // SCALE_N) * stride_sn + k0 // SCALE_K, mask=rn < N, other=0.0)
-        # Scaled before the product: on an H200 this ran faster than casting e4m3 straight to
-        # bfloat16 and scaling the tile's sums (174 against 289 us for a layer of Llama-3.1-8B, 1 row).
-        b = (w.to(tl.float32) * s[:, None]).to(x.dtype)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(b), input_precision="ieee")
+        if GEMV:  # float32 multiply-adds over [BLOCK_M, BLOCK_N, BLOCK_K], then the column's scale
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2) * s[None, :]
         else:
-            acc += tl.dot(x, tl.trans(b))
+            # Scaled before the product: on an H200 this ran faster than casting e4m3 straight to
+            # bfloat16 and scaling the tile's sums (174 against 289 us for a layer of Llama-3.1-8B, 1 row).
+            b = (w.to(tl.float32) * s[:, None]).to(x.dtype)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(b), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(b))
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -64,7 +72,7 @@ def _fp8_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_split, stride_xm, stride_wn
 @triton.jit
 def _int4_mm(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_split, stride_xm, stride_qk, stride_sg, stride_om,
              stride_os, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GEMV: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,14 +98,24 @@ def _int4_mm(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_split, stride_xm, s
         # BLOCK_K divides GROUP: one group per tile.
         s = tl.load(s_ptr + (k0 // GROUP) * stride_sg + rn, mask=rn < N, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + (k0 // GROUP) * stride_sg + rn, mask=rn < N, other=0.0).to(tl.float32)
-        b = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
-        if IEEE:
-            acc += tl.dot(x, b, input_precision="ieee")
+        if GEMV:
+            # Float32 multiply-adds, the zero point out of the inner sum: within a group
+            # sum x (q - z) s = s (sum x q - z sum x), one subtraction a column, not a weight.
+            xf = x.to(tl.float32)
+            xq = tl.sum(xf[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
+            acc += (xq - tl.sum(xf, axis=1)[:, None] * z[None, :]) * s[None, :]
         else:
-            acc += tl.dot(x, b)
+            b = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+            if IEEE:
+                acc += tl.dot(x, b, input_precision="ieee")
+            else:
+                acc += tl.dot(x, b)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+KERNELS = {"fp8": _fp8_mm, "int4": _int4_mm}
 
 
 def _sms(device: torch.device) -> int:
@@ -115,6 +133,10 @@ class Tile:
     stages: int = 3
     split: bool = True
     """Split K across programs when output tiles alone are too few to fill the GPU."""
+    gemv: bool = False
+    """Multiply-adds in registers (the kernels' ``GEMV``) instead of tensor-core tiles: for a
+    few rows, with ``block_m`` as small as 1. The product's size in registers is ``block_m x block_n x
+    block_k``, so wide tiles want few rows."""
 
 
 TUNED: dict[tuple[str, int], Tile] = {
@@ -158,7 +180,7 @@ def plan(kernel: str, m: int, n: int, k: int, step: int, device: torch.device,
     return tile, split
 
 
-def _launch(kernel, name: str, x: torch.Tensor, n: int, k: int, step: int, args: tuple, strides: tuple,
+def _launch(name: str, x: torch.Tensor, n: int, k: int, step: int, args: tuple, strides: tuple,
             constants: dict, tile: Tile | None) -> torch.Tensor:
     m = x.shape[0]
     tile, split = plan(name, m, n, k, step, x.device, tile)
@@ -167,9 +189,10 @@ def _launch(kernel, name: str, x: torch.Tensor, n: int, k: int, step: int, args:
     split = triton.cdiv(k, k_split)
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split)
-    kernel[grid](x, *args, out, m, n, k, k_split, x.stride(0), *strides, out.stride(1), out.stride(0),
+    KERNELS[name][grid](x, *args, out, m, n, k, k_split, x.stride(0), *strides, out.stride(1), out.stride(0),
                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
-                 IEEE=x.dtype == torch.float32, num_warps=tile.warps, num_stages=tile.stages, **constants)
+                 IEEE=x.dtype == torch.float32, GEMV=tile.gemv, num_warps=tile.warps, num_stages=tile.stages,
+                 **constants)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -179,7 +202,7 @@ def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_n: 
     K / scale_k]`` float32 (rounded up)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     n, k = weight.shape
-    return _launch(_fp8_mm, "fp8", x, n, k, scale_k, (weight, scale), (weight.stride(0), scale.stride(0)),
+    return _launch("fp8", x, n, k, scale_k, (weight, scale), (weight.stride(0), scale.stride(0)),
                    {"SCALE_N": scale_n, "SCALE_K": scale_k}, tile)
 
 
@@ -189,5 +212,5 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     ``8 r + i`` in bits ``4 i``), ``scales`` and ``zeros`` ``[K / group, N]``."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    return _launch(_int4_mm, "int4", x, n, k, group, (qweight, scales, zeros),
+    return _launch("int4", x, n, k, group, (qweight, scales, zeros),
                    (qweight.stride(0), scales.stride(0)), {"GROUP": group}, tile)
