@@ -55,7 +55,7 @@ def _ms(fn, reps: int) -> float:
 
 def measure(n: int, k: int, rows: list[int], reps: int) -> dict:
     from engine.cpu_kernels import load_kernel
-    from engine.model.quant import INT8_TYPES, KERNEL_TYPES, PACKED_AS, QUANT_MAX_ROWS, pack_int8
+    from engine.model.quant import INT8_MAX_ROWS, INT8_TYPES, KERNEL_TYPES, PACKED_AS, QUANT_MAX_ROWS, pack_int8
     ops = load_kernel()
     w = (np.random.default_rng(1).standard_normal((n, k)) * 0.02).astype(np.float32)
     weights = {t: torch.from_numpy(blocks_of(w, t)) for t in FLOAT32_TYPES}
@@ -67,7 +67,7 @@ def measure(n: int, k: int, rows: list[int], reps: int) -> dict:
         times = {t: _ms(lambda t=t: ops.gguf_mm(x, weights[t], KERNEL_TYPES[t][0], QUANT_MAX_ROWS), reps)
                  for t in FLOAT32_TYPES}
         times |= {f"{t} int8": _ms(lambda t=t: ops.gguf_mm_packed(x, *packed[t], KERNEL_TYPES[PACKED_AS.get(t, t)][0],
-                                                                  QUANT_MAX_ROWS), reps) for t in packed}
+                                                                  INT8_MAX_ROWS), reps) for t in packed}
         times["float32 dense"] = _ms(lambda: torch.nn.functional.linear(x, dense), reps)
         table[m] = {name: round(ms, 4) for name, ms in times.items()}
         print(f"{m:>3} rows: " + "  ".join(f"{name} {ms:.3f}" for name, ms in table[m].items()) + " (ms)", flush=True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything a short GPU lease should check, in one command from the repository root:
 # the `gpu` tests (kernels compiled, CUDA graphs, memory budget, HF oracle on CUDA, LoRA against
-# HF + PEFT), the kernels of a decode step (benchmarks.kernels), a served-size engine's plan
-# (benchmarks.gpu_plan), FP8 and INT4 weights against bf16 on Llama-3.1-8B's shape
+# HF + PEFT, quantized layers, n-gram drafts), the kernels of a decode step (benchmarks.kernels), a
+# served-size engine's plan (benchmarks.gpu_plan), FP8 and INT4 weights against bf16 on Llama-3.1-8B's shape
 # (benchmarks.quant_gpu; QUANT_ARGS adds options, e.g. --compile), the GPU benchmark (random
 # weights of Llama-3.2-1B's shape, bf16; BENCH_ARGS adds options) and LoRA's cost per token on
 # that shape (benchmarks.lora). Logs and results go to $OUT. A step whose *_S limit is 0 is skipped.
@@ -40,7 +40,7 @@ set -o pipefail
 timeout "${PYTEST_S:-300}" python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --timeout 150 \
     --junitxml="$OUT/pytest.xml" ${GPU_TESTS:-tests/test_attention_gpu.py tests/test_attention.py \
     tests/test_gpu_engine.py tests/test_cuda_graphs.py tests/test_memory_budget.py tests/test_lora.py \
-    tests/test_gpu_quant.py} \
+    tests/test_gpu_quant.py tests/test_spec_decode.py} \
     2>&1 | tee "$OUT/pytest.log"
 echo "pytest exit: $?" | tee -a "$OUT/pytest.log"
 

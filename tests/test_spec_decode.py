@@ -367,3 +367,13 @@ def test_verification_steps_leave_the_decode_only_attention_path(copy_model):
     assert rows.tolist() == [0, 1, 2, 3, 4] and backend.decode_step_index(meta) == []
     _, _, _, meta, rows = build_step_inputs([decode], 8, torch.device("cpu"))
     assert rows.tolist() == [0] and len(backend.decode_step_index(meta)) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False])
+def test_ngram_drafts_on_cuda_give_the_tokens_without_them(copy_model, eager):
+    """On a GPU, eagerly and with CUDA graphs (captured decode steps; verification steps run uncaptured)."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    stats, _, _ = _same(copy_model[0], _prompts(0), params, device="cuda", enforce_eager=eager)
+    assert stats.spec_decode_num_accepted_tokens > 0
