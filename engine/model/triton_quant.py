@@ -190,9 +190,9 @@ def _launch(name: str, x: torch.Tensor, n: int, k: int, step: int, args: tuple, 
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split)
     KERNELS[name][grid](x, *args, out, m, n, k, k_split, x.stride(0), *strides, out.stride(1), out.stride(0),
-                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
-                 IEEE=x.dtype == torch.float32, GEMV=tile.gemv, num_warps=tile.warps, num_stages=tile.stages,
-                 **constants)
+                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                        EVEN_K=k % tile.block_k == 0, IEEE=x.dtype == torch.float32, GEMV=tile.gemv,
+                        num_warps=tile.warps, num_stages=tile.stages, **constants)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
 
 
