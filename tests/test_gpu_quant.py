@@ -79,7 +79,7 @@ def test_gemv_kernels_match_dequantized_weights(tile):
     masked; per-channel and 128 x 128 block scales; INT4 groups of 64 with zero points."""
     _device("cpu")
     torch.manual_seed(6)
-    for rows in (1, 3, 7):
+    for rows in (1, 7):  # at or under block_m, and over it
         x = torch.randn(rows, 384)
         channel = fp8_from_dense(torch.randn(80, 384) * 0.1)
         _check(fp8_mm(x, channel.weight, channel.scale, 1, 384, tile), x, channel.dequantize(), torch.float32)
