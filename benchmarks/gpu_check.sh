@@ -2,8 +2,8 @@
 # Everything a short GPU lease should check, in one command from the repository root:
 # the `gpu` tests (kernels compiled, CUDA graphs, memory budget, HF oracle on CUDA, LoRA against
 # HF + PEFT, quantized layers, n-gram drafts), the kernels of a decode step (benchmarks.kernels), a
-# served-size engine's plan (benchmarks.gpu_plan), FP8 and INT4 weights against bf16 on Llama-3.1-8B's shape
-# (benchmarks.quant_gpu; QUANT_ARGS adds options, e.g. --compile), the GPU benchmark (random
+# served-size engine's plan (benchmarks.gpu_plan), FP8 and INT4 weights against bf16 on Llama-3.1-8B's
+# shape (benchmarks.quant_gpu; QUANT_ARGS adds options, e.g. --compile), the GPU benchmark (random
 # weights of Llama-3.2-1B's shape, bf16; BENCH_ARGS adds options) and LoRA's cost per token on
 # that shape (benchmarks.lora). Logs and results go to $OUT. A step whose *_S limit is 0 is skipped.
 #

@@ -6,9 +6,9 @@
    rows: bfloat16 (``F.linear``, cuBLAS), FP8 W8A16 (the Triton kernel), FP8 W8A8 (activations
    per token, ``torch._scaled_mm``; compute capability 8.9+) and INT4 W4A16 (the Triton kernel).
    Several layers' weights rotate, so no product finds its weights in L2. Each reports the bytes
-   of weights it reads per second. On CUDA the products are timed as replays of a CUDA graph, and
-   first every candidate tile of both Triton kernels is (tensor-core tiles and, up to 16 rows,
-   register tiles): the fastest per number of rows goes to the engine's ``TUNED`` for the steps.
+   of weights it reads per second. Before them, each candidate tile of both Triton kernels is timed
+   (tensor-core tiles and, up to 16 rows, register tiles), and the fastest per number of rows goes to
+   the engine's ``TUNED`` for the steps. On CUDA all of these are timed as replays of a CUDA graph.
 2. **Decode steps.** The engine on random weights of the shape (bfloat16, then rounded at load
    with ``quantization: fp8`` and ``int4``), CUDA graphs on, eager modules unless ``--compile``, the
    same requests: milliseconds per decode step at each number of running requests, the weights'
