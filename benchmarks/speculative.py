@@ -4,6 +4,8 @@ process, one engine after the other:
 
     python -m benchmarks.speculative --levels 1,4,8,16
     python -m benchmarks.speculative --methods off,draft --levels 1 --k 1,2,3,4,5 --always  # by k
+    python -m benchmarks.speculative --device cuda --dtype bfloat16 --model-shape llama-1b \
+        --methods off,eagle3 --k 1,2,3,4,5 --levels 1,16 --always  # a GPU's verification cost by k
 
 Methods: ``off``; ``ngram`` (prompt lookup); ``draft`` (``draft_model``: the model's own GGUF file
 as the draft of its de-quantized weights, so the draft reads ~5x fewer bytes a step and agrees
@@ -16,6 +18,9 @@ where drafts stop paying.
 Each cell is the best of ``--rounds`` runs after an untimed one: the wall time over the tokens
 of one request, the draft tokens accepted, and whether every output equals ``off``'s. The JSON
 names the host's CPU features; a PNG plots the time per token against the requests running.
+``--model-shape`` serves random weights of a real model's shape (benchmarks.models: no tokenizer),
+on prompts of random token ids (workload ``ids``): with a random EAGLE-3 head and ``--always``, each
+output token costs one step verifying k rejected drafts.
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ def _methods(names: list[str], model: str, ks: list[int], cost_model: bool, head
     return runs
 
 
+def _token_prompts(vocab: int, length: int, count: int = 4) -> list[dict]:
+    import random
+    rng = random.Random(0)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(count)]
+
+
 def _chat(llm, prompts: list[str]) -> list[dict]:
     tok = llm.tokenizer
     return [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for p in prompts]
@@ -84,8 +95,10 @@ def _plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(11, 4), sharey=True)
-    for ax, workload in zip(axes, WORKLOADS):
+    workloads = list(next(iter(report["results"].values())))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, workload in zip(axes, workloads):
         for method, cells in report["results"].items():
             levels = sorted(int(level) for level in cells[workload])
             ax.plot(levels, [cells[workload][str(level)]["ms_per_token"] for level in levels], marker="o",
@@ -98,11 +111,18 @@ def _plot(report: dict, path: Path) -> None:
     axes[0].legend()
     when = "cost model on" if report["cost_model"] else "drafting whenever found"
     host = report["environment"]["host_cpu"]
-    fig.suptitle(f"Speculative decoding, {report['model']} {report['dtype']}, k={report['k']}, {when}; "
-                 f"{host['cpu']}, {host['cores']} cores, {host['kernel_isa']}", fontsize=9)
+    device = report["environment"]["device"]
+    where = device if device != "cpu" else f"{host['cpu']}, {host['cores']} cores, {host['kernel_isa']}"
+    model = report["model_shape"] or report["model"]
+    fig.suptitle(f"Speculative decoding, {model} {report['dtype']}, k={report['k']}, {when}; {where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _device_name(device: str) -> str:
+    import torch
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,8 +138,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="the target's weights (what `slotserve serve` runs is gguf)")
     ap.add_argument("--always", action="store_true", help="cost_model off: draft all k whenever a draft is found")
     ap.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head for the model (default: a random one)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model-shape", default=None, help="random weights of this shape (benchmarks.models) as --model")
+    ap.add_argument("--prompt-len", type=int, default=128, help="with --model-shape: random prompt tokens")
     ap.add_argument("--out", default="bench-out/speculative.json")
     args = ap.parse_args(argv)
+    if args.model_shape is not None:
+        from benchmarks.models import make_shaped_model_dir
+        args.model = str(make_shaped_model_dir(Path(args.out).parent / f"shape-{args.model_shape}", args.model_shape,
+                                               args.dtype, args.device if args.device == "cuda" else "cpu"))
     head = args.eagle3_head
     if head is None and "eagle3" in args.methods.split(","):
         from benchmarks.eagle3_head import write_random_head
@@ -129,16 +156,18 @@ def main(argv: list[str] | None = None) -> int:
 
     levels = [int(v) for v in args.levels.split(",")]
     ks = [int(v) for v in args.k.split(",")]
-    report = {"environment": {"host_cpu": host_cpu()}, "model": args.model, "k": args.k, "dtype": args.dtype,
+    report = {"environment": {"host_cpu": host_cpu(), "device": _device_name(args.device)}, "model": args.model,
+              "model_shape": args.model_shape, "k": args.k, "dtype": args.dtype,
               "quantization": args.quantization,
               "eagle3_head": head,
               "max_tokens": args.max_tokens, "cost_model": not args.always, "results": {}}
     for method, spec in _methods(args.methods.split(","), args.model, ks, not args.always, head).items():
         llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(levels),
-                  speculative_config=spec)
+                  speculative_config=spec, device=args.device)
         cells = report["results"][method] = {}
-        for workload, prompts in WORKLOADS.items():
-            chat = _chat(llm, prompts)
+        workloads = ({"ids": _token_prompts(llm.engine.vocab_size, args.prompt_len)} if args.model_shape
+                     else {name: _chat(llm, prompts) for name, prompts in WORKLOADS.items()})
+        for workload, chat in workloads.items():
             cells[workload] = {}
             for level in levels:
                 cell = cells[workload][str(level)] = _measure(llm, chat, level, args.max_tokens, args.rounds)

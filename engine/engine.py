@@ -34,7 +34,7 @@ from engine.runner import ModelRunner
 from engine.sampling import MAX_SEED, SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import Speculator
-from engine.spec_draft import DraftModel, kv_width, load_draft_arch
+from engine.spec_draft import DraftModel, drafter_footprint, load_draft_arch
 from engine.spec_eagle import Eagle3Drafter, load_head_arch
 from engine.spec_verify import EngineSpeculation
 from engine.structured import GrammarBook, grammar_step
@@ -99,20 +99,21 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
         (``self.drafter``): a draft model or an EAGLE-3 head."""
         spec = self.config.speculative_config
         method = None if spec is None else spec.method
-        width, share, aux, draft, head = kv_width(self.arch), 1.0, (), None, None
+        aux, draft, head, footprint = (), None, None, None
         if method == "eagle3":
             head = load_head_arch(self.config, self.arch)
-            share, aux = width / (width + kv_width(head[1].layer)), head[1].aux_layers
+            aux = head[1].aux_layers
+            footprint = drafter_footprint(self.config, head[0], head[1].layer, self.max_model_len, graphs=False)
         elif method == "draft_model":
             draft = load_draft_arch(self.config, self.arch)
-            share = width / (width + kv_width(draft[1]))
+            footprint = drafter_footprint(self.config, *draft, self.max_model_len, graphs=not self.config.enforce_eager)
         if self.config.parallel.tensor_parallel_size == 1:
-            runner = ModelRunner(self.config, self.model_path, self.arch, self.max_model_len, pool_share=share,
-                                 aux_layers=aux)
+            runner = ModelRunner(self.config, self.model_path, self.arch, self.max_model_len, aux_layers=aux,
+                                 draft=footprint)
         else:
             from engine.tp.driver import start_tensor_parallel
             self.tp, runner = start_tensor_parallel(self.config, self.model_path, self.arch, self.max_model_len,
-                                                    launcher, self._timings, pool_share=share, aux_layers=aux)
+                                                    launcher, self._timings, aux_layers=aux, draft=footprint)
             weakref.finalize(self, self.tp.shutdown)  # no orphan workers if shutdown() is never called
         try:
             if head is not None:

@@ -27,7 +27,8 @@ from engine.attention.metadata import build_step_inputs, order_chunks
 from engine.config import EngineConfig
 from engine.cpu_features import fast_bf16
 from engine.cuda_graphs import DecodeGraphs
-from engine.memory import MemoryBudget, dummy_prefill, measure_peak, outside_torch_bytes, worst_case_sampling
+from engine.memory import (DraftFootprint, MemoryBudget, dummy_prefill, max_context_tokens, measure_peak,
+                           outside_torch_bytes, worst_case_sampling)
 from engine.lora import LoRAModel
 from engine.model import ModelArch, load_model
 from engine.model.compiled import CompiledDecoder
@@ -65,21 +66,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, arch: ModelArch, max_model_len: int,
                  group: ParallelGroup | None = None, device: str | None = None,
-                 agree_blocks: Callable[[int, int], int] | None = None, pool_share: float = 1.0,
-                 aux_layers: tuple[int, ...] = ()) -> None:
+                 agree_blocks: Callable[[int, int], int] | None = None,
+                 aux_layers: tuple[int, ...] = (), draft: DraftFootprint | None = None) -> None:
         """``group``/``device``: this rank's place and device (default: alone, ``config.model.device``).
         ``agree_blocks(blocks, param_bytes)``: with tensor parallelism, the KV pool size every
-        rank can hold (each sizes its own from its memory). ``pool_share``: the part of the CPU
-        KV budget this model's pool takes (a draft model's pool of as many blocks takes the rest).
+        rank can hold (each sizes its own from its memory).
         ``aux_layers``: the layers whose input streams each step keeps (``aux_out``, rows ``aux_rows``)
-        for an EAGLE-3 head (engine.spec_eagle)."""
+        for an EAGLE-3 head (engine.spec_eagle). ``draft``: what the drafter beside this model will
+        hold: its pool, of as many blocks, shares the KV budget; on a GPU its weights count too."""
         self.config = config
+        self.draft = draft
         self.group = group or ParallelGroup()
         self.device = torch.device(device) if device is not None else resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.pool_share = pool_share
         heads = self.group.heads(arch.num_heads, arch.num_kv_heads)
         self.backend = create_backend(config.attention_backend, self.device, heads.q_count, heads.kv_count,
                                       arch.head_dim, self.block_size, self.dtype, config.cache.kv_cache_dtype)
@@ -138,8 +139,7 @@ class ModelRunner:
         max_seqs = config.scheduler.max_num_seqs
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.group.world_size == 1
                            and self.backend.supports_cuda_graphs and not aux_layers)
-        # Most context tokens one step can read: every slot at full length, rounded to blocks.
-        self.max_context_tokens = max_seqs * -(-max_model_len // self.block_size) * self.block_size
+        self.max_context_tokens = max_context_tokens(max_seqs, max_model_len, self.block_size)
         blocks = self._pool_size()
         self.num_blocks = agree_blocks(blocks, self.param_bytes) if agree_blocks is not None else blocks
         self.scratch_block = self.num_blocks
@@ -211,11 +211,11 @@ class ModelRunner:
         if cache.kv_cache_memory_gb is None and self.device.type == "cuda":
             return self._gpu_pool_size(per_block, ceiling)
         budget = (cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_GB) * (1 << 30)
-        budget *= self.pool_share
-        blocks = min(int(budget // per_block), ceiling)
+        with_draft = per_block + (0 if self.draft is None else self.draft.block_bytes)
+        blocks = min(int(budget // with_draft), ceiling)
         if blocks < 2:
             raise ValueError(f"KV cache budget {budget / (1 << 30):.3f} GiB holds fewer than 2 blocks "
-                             f"of {per_block} bytes; raise kv_cache_memory_gb or num_kv_blocks")
+                             f"of {with_draft} bytes; raise kv_cache_memory_gb or num_kv_blocks")
         logger.info("KV pool: %d blocks of %d tokens (%.2f GiB)", blocks, self.block_size,
                     blocks * per_block / (1 << 30))
         return blocks
@@ -228,7 +228,7 @@ class ModelRunner:
             total_bytes=total, utilization=self.config.cache.gpu_memory_utilization, weights_bytes=weights,
             activation_bytes=activations, graph_pool_bytes=activations if self.use_graphs else 0,
             gather_bytes=self.backend.scratch_bytes(self.max_context_tokens, self.dtype), other_bytes=other,
-            block_bytes=per_block)
+            block_bytes=per_block, draft=self.draft)
         blocks = budget.num_blocks(ceiling)
         logger.info("GPU memory: %s -> KV pool %d blocks of %d tokens", budget.describe(), blocks, self.block_size)
         return blocks
@@ -337,7 +337,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def greedy(self, chunks: list) -> dict[int, int]:
-        """Each chunk's greedy next token, by ``id(chunk)``: a draft model's proposals (engine.spec_draft)."""
+        """Each chunk's greedy next token, by ``id(chunk)``: a draft model's proposals (engine.spec_draft).
+        Its one-token passes replay the decode graphs where captured: host work is most of such a pass."""
+        key = self.graphs.key_for(chunks) if self.graphs is not None else None
+        if key is not None:
+            best = self.graphs.run(chunks, key).argmax(dim=-1).tolist()
+            return {id(c): token for c, token in zip(chunks, best)}
         sampling, input_ids, positions, meta, logits_idx = self.prepare(chunks)
         best = self._forward(input_ids, positions, meta, logits_idx)[:len(sampling)].argmax(dim=-1).tolist()
         return {id(c): token for c, token in zip(sampling, best)}

@@ -26,6 +26,7 @@ import torch
 
 from engine.config import EngineConfig, ParallelConfig
 from engine.errors import ModelLoadError
+from engine.memory import DraftFootprint, checkpoint_bytes, max_context_tokens
 from engine.model import ModelArch
 from engine.scheduler import ScheduledChunk
 from engine.spec_cost import StepCosts
@@ -53,21 +54,29 @@ class DraftPass(ScheduledChunk):
         return range(0)
 
 
-def kv_width(arch: ModelArch) -> int:
-    """Per token: what a model's KV cache holds across its layers, in head elements."""
-    return arch.num_layers * arch.num_kv_heads * arch.head_dim
+def drafter_footprint(config: EngineConfig, path: Path, arch: ModelArch, max_model_len: int,
+                      graphs: bool) -> DraftFootprint:
+    """What a drafter of ``arch``'s layers (a draft model's, an EAGLE-3 head's one), whose checkpoint
+    is ``path``, will hold beside the target, known before either loads (engine.memory)."""
+    from engine.attention import create_backend
+    from engine.runner import resolve_device, resolve_dtype
+
+    device = resolve_device(config.model.device)
+    dtype, block_size = resolve_dtype(config.model.dtype, device), config.cache.block_size
+    backend = create_backend(config.attention_backend, device, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                             block_size, dtype, config.cache.kv_cache_dtype)
+    tokens = max_context_tokens(config.scheduler.max_num_seqs, max_model_len, block_size)
+    return DraftFootprint(weights_bytes=checkpoint_bytes(path, dtype),
+                          block_bytes=backend.bytes_per_block(dtype) * arch.num_layers,
+                          gather_bytes=backend.scratch_bytes(tokens, dtype) if device.type == "cuda" else 0,
+                          graphs=graphs and device.type == "cuda" and backend.supports_cuda_graphs)
 
 
 def load_draft_arch(config: EngineConfig, target: ModelArch) -> tuple[Path, ModelArch]:
     """The draft model's directory and shape, checked against the target's."""
     from engine.models_hub import resolve_model
 
-    from engine.runner import resolve_device
-
     spec = config.speculative_config
-    if resolve_device(config.model.device).type != "cpu":
-        raise ModelLoadError("speculative_config method 'draft_model' runs on CPU for now: on a GPU the draft's "
-                             "weights and KV pool are not in the memory budget yet (use method 'ngram')")
     path = Path(resolve_model(spec.model))
     arch = ModelArch.from_dir(path)
     if arch.vocab_size > target.vocab_size:

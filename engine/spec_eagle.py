@@ -31,7 +31,6 @@ from engine.attention import create_backend
 from engine.attention.block_table import BlockTable
 from engine.attention.metadata import build_step_inputs, order_chunks
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
 from engine.model import ModelArch
 from engine.model.eagle3 import Eagle3Arch, load_eagle3
 from engine.model.layers import amx_supported, cpu_prepack_supported
@@ -47,11 +46,7 @@ logger = logging.getLogger(__name__)
 def load_head_arch(config: EngineConfig, target: ModelArch) -> tuple[Path, Eagle3Arch]:
     """The head's directory and shape, checked against the target's."""
     from engine.models_hub import resolve_model
-    from engine.runner import resolve_device
 
-    if resolve_device(config.model.device).type != "cpu":
-        raise ModelLoadError("speculative_config method 'eagle3' runs on CPU for now: on a GPU its KV pool is "
-                             "not in the memory budget and its verify steps are not captured in graphs yet")
     path = Path(resolve_model(config.speculative_config.model))
     return path, Eagle3Arch.from_dir(path, target)
 
@@ -75,6 +70,8 @@ class Eagle3Drafter:
         table = runner.whole_embedding  # under tensor parallelism the target's own is split by vocabulary
         self.embed = self.target.embed_tokens if table is None else functools.partial(F.embedding, weight=table)
         self.kv_cache = self.backend.allocate_cache(runner.num_blocks + 1, runner.dtype, runner.device)
+        if runner.device.type == "cuda":  # sized once, as the target's: counted in the memory budget
+            self.backend.reserve(runner.max_context_tokens, runner.dtype, runner.device)
         self.block_table = BlockTable(config.scheduler.max_num_seqs, -(-runner.max_model_len // runner.block_size),
                                       runner.device, pad_block=runner.num_blocks)
         logger.info("EAGLE-3 head %s: reads the inputs of target layers %s, draft vocabulary %d, %d KV blocks "

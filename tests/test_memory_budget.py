@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.memory import GIB, MemoryBudget, dummy_prefill, worst_case_sampling
+from engine.memory import GIB, DraftFootprint, MemoryBudget, checkpoint_bytes, dummy_prefill, worst_case_sampling
 from engine.sampler import Sampler
 from tests.factories import make_model_dir
 
@@ -32,6 +32,36 @@ def test_no_room_for_a_pool_names_the_option_and_what_took_the_memory():
     with pytest.raises(ValueError, match="gpu_memory_utilization 0.25") as info:
         _budget(utilization=0.25).num_blocks(10**9)
     assert "weights 16.00 GiB" in str(info.value) and "KV 0.00 GiB" in str(info.value)
+
+
+def test_a_drafter_takes_its_weights_buffers_and_a_pool_of_as_many_blocks():
+    """A draft model's pool has the target's block count: each block of the target's pool brings one
+    of the drafter's. Its captured graphs are counted as the target's largest step again."""
+    mib = 1024 * 1024
+    plain = _budget()
+    draft = DraftFootprint(weights_bytes=2 * GIB, block_bytes=mib, gather_bytes=GIB // 2)
+    b = _budget(draft=draft)
+    assert b.draft_bytes == 2 * GIB + GIB // 2 and b.kv_bytes == plain.kv_bytes - b.draft_bytes
+    assert b.num_blocks(10**9) == b.kv_bytes // (3 * mib)  # the target's 2 MiB and the drafter's 1 MiB
+    graphs = _budget(draft=DraftFootprint(weights_bytes=2 * GIB, block_bytes=mib, gather_bytes=GIB // 2, graphs=True))
+    assert graphs.draft_bytes == b.draft_bytes + 2 * GIB  # the activations' 2 GiB once more
+    assert "drafter 2.50 GiB" in b.describe() and "drafter" not in plain.describe()
+    with pytest.raises(ValueError, match="drafter 62.00 GiB"):
+        _budget(draft=DraftFootprint(weights_bytes=62 * GIB, block_bytes=mib)).num_blocks(10**9)
+
+
+def test_a_checkpoints_bytes_once_loaded_come_from_its_headers(tmp_path):
+    """Floating tensors at the dtype the model runs in, integer ones (packed INT4, maps) as stored."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.float16)}, str(tmp_path / "x.safetensors"))
+    save_file({"q": torch.zeros(4, 2, dtype=torch.int32), "m": torch.zeros(9, dtype=torch.bool)},
+              str(tmp_path / "y.safetensors"))
+    assert checkpoint_bytes(tmp_path, torch.bfloat16) == 22 * 2 + 8 * 4 + 9
+    assert checkpoint_bytes(tmp_path, torch.float32) == 22 * 4 + 8 * 4 + 9
+    model = make_model_dir(tmp_path / "m", "llama", with_tokenizer=False)
+    loaded = sum(t.numel() for f in model.glob("*.safetensors") for t in load_file(str(f)).values())
+    assert checkpoint_bytes(model, torch.bfloat16) == 2 * loaded
 
 
 @pytest.mark.parametrize("value", [0, -0.1, 1.01, float("nan"), "0.9", True])

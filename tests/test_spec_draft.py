@@ -10,8 +10,10 @@ whole (``check_invariants``, every block free).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.cuda_graphs import DecodeGraphs
 from engine.errors import ModelLoadError
 from tests.factories import build_tokenizer, make_model_dir
 from tests.test_spec_decode import (BASE, VOCAB, _copying, _prompts, _run, copy_model,  # noqa: F401 (a fixture)
@@ -126,6 +128,43 @@ def test_tensor_parallel_target_with_a_whole_draft_on_rank_0(copy_model, near_dr
     engine, _ = tensor_parallel_matches_one_rank(copy_model[0], _draft(near_draft))
     assert engine.drafter.runner.group.world_size == 1 and engine.runner.group.world_size == 2
     assert engine.drafter.runner.num_blocks == engine.runner.num_blocks
+
+
+def test_the_drafts_one_token_passes_take_its_decode_graphs(copy_model, near_draft):
+    """On a GPU the draft model captures decode graphs and its one-token passes replay them; on CPU
+    the same static path runs uncaptured. It proposes what the eager passes propose: the accepted
+    counts, which the exact outputs cannot show, are equal."""
+    path = copy_model[0]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want, plain = _run(path, _prompts(0), params, speculative_config=_draft(near_draft))
+    llm = LLM(str(path), **BASE, speculative_config=_draft(near_draft))
+    runner = llm.engine.drafter.runner
+    runner.graphs = DecodeGraphs(runner.decoder, runner.backend, runner.kv_caches, runner.block_table,
+                                 runner.block_size, BASE["max_num_seqs"], runner.max_model_len, VOCAB, runner.device)
+    used, run = [], runner.graphs.run
+    runner.graphs.run = lambda chunks, key: (used.append(len(chunks)), run(chunks, key))[1]
+    got = llm.generate([{"prompt_token_ids": p} for p in _prompts(0)], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats, plain_stats = llm.engine.stats(), plain.stats()
+    assert stats.spec_decode_num_accepted_tokens == plain_stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_draft_tokens == plain_stats.spec_decode_num_draft_tokens
+    assert len(used) > 10 and max(used) > 1  # batched passes of several requests, not one at a time
+    llm.engine.block_manager.check_invariants()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_draft_model_on_cuda_gives_the_tokens_without_it(copy_model, near_draft, eager):
+    """On a GPU, eagerly and with CUDA graphs (the draft's one-token passes replayed), with the pools
+    sized by the GPU memory budget, the draft's weights and pool counted."""
+    path = copy_model[0]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    stats, _, _, engine = _same(path, near_draft, _prompts(0), params, device="cuda", enforce_eager=eager,
+                                num_kv_blocks=None, gpu_memory_utilization=0.5)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert engine.drafter.runner.num_blocks == engine.runner.num_blocks
+    assert (engine.drafter.runner.graphs is None) == eager
 
 
 def test_a_draft_that_cannot_serve_the_target_is_refused_by_name(copy_model, tmp_path):

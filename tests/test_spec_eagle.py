@@ -242,6 +242,17 @@ def test_a_near_head_is_often_right_a_random_one_wrong_and_the_output_stays_exac
     assert stats.spec_decode_num_accepted_tokens < 0.2 * stats.spec_decode_num_draft_tokens
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_head_on_cuda_gives_the_tokens_without_it(copy_model, heads):
+    """On a GPU, the pools sized by the GPU memory budget with the head's weights and pool counted;
+    the target's steps run uncaptured while a head reads their streams."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    stats, _ = _same(copy_model[0], heads["near"], _prompts(0), params, device="cuda", num_kv_blocks=None,
+                     gpu_memory_utilization=0.5)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
 def test_preemption_prefix_hits_and_sampled_requests_keep_their_tokens(copy_model, heads):
     """A preempted request drafts again once the head has read its recomputed tokens; a request
     that starts from cached blocks reads the head's KV of them; seeded sampled requests (n = 2 too)

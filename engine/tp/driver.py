@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.memory import DraftFootprint
 from engine.model import ModelArch
 from engine.model.gpu_quant import resolve_scheme
 from engine.model.quant_checkpoint import check_tp_cuts
@@ -141,15 +142,16 @@ class TensorParallelDriver:
 
 
 def start_tensor_parallel(config: EngineConfig, model_path: Path, arch: ModelArch, max_model_len: int,
-                          launcher: RankLauncher | None, timings: dict | None, pool_share: float = 1.0,
-                          aux_layers: tuple[int, ...] = ()) -> tuple[TensorParallelDriver, ModelRunner]:
-    """Start the workers and rank 0's runner (loading in parallel); all or nothing. ``pool_share`` and
-    ``aux_layers``: rank 0's, for what drafts beside it (engine.runner.ModelRunner); the ranks agree on
+                          launcher: RankLauncher | None, timings: dict | None,
+                          aux_layers: tuple[int, ...] = (), draft: DraftFootprint | None = None,
+                          ) -> tuple[TensorParallelDriver, ModelRunner]:
+    """Start the workers and rank 0's runner (loading in parallel); all or nothing. ``aux_layers`` and
+    ``draft``: rank 0's, for what drafts beside it (engine.runner.ModelRunner); the ranks agree on
     the smallest pool."""
     driver = TensorParallelDriver(config, model_path, arch, max_model_len, launcher, timings)
     try:
         runner = ModelRunner(config, model_path, arch, max_model_len, driver.group, driver.device,
-                             agree_blocks=driver.agree_blocks, pool_share=pool_share, aux_layers=aux_layers)
+                             agree_blocks=driver.agree_blocks, aux_layers=aux_layers, draft=draft)
         driver.attach(runner)
         if head_reads_embedding(config):
             runner.whole_embedding = runner.model.embed_tokens.gathered()
