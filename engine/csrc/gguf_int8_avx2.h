@@ -99,6 +99,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      prefetch_ahead<QT>(wq, ws, mw, g, nb, b);
       for (int h = 0; h < 2; ++h) {  // columns 8h..8h+7: bytes 32h..32h+31 of every operand
         const uint8_t* wb = wq + b * kGroupBytes + 32 * h;
         __m256i w[8];

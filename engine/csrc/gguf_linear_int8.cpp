@@ -159,11 +159,25 @@ Activations quantize_with(const at::Tensor& x, bool halves, QuantizeBlock quanti
   return a;
 }
 
-#ifdef SLOTSERVE_INT8_VNNI
-// Blocks a group's streams are prefetched ahead (2-4 KB of operands): the linear layers of a decode step
-// alone at 16 rows took 9.7 ms with it against 12.4 without (8 ahead beat 4, 16 and 32), 4.1-4.4 ms
-// against 4.4-4.5 at 1 row.
+// Blocks a group's streams are prefetched ahead (2-4 KB of operands): with AVX-512 VNNI the linear layers
+// of a decode step alone at 16 rows took 9.7 ms with it against 12.4 without (8 ahead beat 4, 16 and 32),
+// 4.1-4.4 ms against 4.4-4.5 at 1 row.
 constexpr int64_t kAhead = 8;
+
+// Block b + kAhead of group g's quants, scales and minimums. Past the group's end this reads into the
+// next group's (the same thread's next, or a wasted hint).
+template <int64_t QT>
+inline void prefetch_ahead(const uint8_t* wq, const c10::Half* ws, const c10::Half* mw, int64_t g, int64_t nb,
+                           int64_t b) {
+  const char* ahead = reinterpret_cast<const char*>(wq + (b + kAhead) * group_bytes(QT));
+  for (int64_t l = 0; l < group_bytes(QT); l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(ws + (b + kAhead) * halves(QT) * kCols), _MM_HINT_T0);
+  if constexpr (has_mins(QT)) {
+    _mm_prefetch(reinterpret_cast<const char*>(mw + (g * nb + b + kAhead) * kCols), _MM_HINT_T0);
+  }
+}
+
+#ifdef SLOTSERVE_INT8_VNNI
 constexpr int kTile = 8;  // activation rows sharing each block's unpacked operands
 constexpr bool kHalfSums = true;  // Q6_K's halves take their +128 out with Activations.c0
 
@@ -211,13 +225,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* qw, const c10::Half* 
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      // Past the group's end this reads into the next group's (the same thread's next, or a wasted hint).
-      const char* ahead = reinterpret_cast<const char*>(wq + (b + kAhead) * kGroupBytes);
-      for (int64_t l = 0; l < kGroupBytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ws + (b + kAhead) * kHalves * kCols), _MM_HINT_T0);
-      if constexpr (has_mins(QT)) {
-        _mm_prefetch(reinterpret_cast<const char*>(mw + (g * nb + b + kAhead) * kCols), _MM_HINT_T0);
-      }
+      prefetch_ahead<QT>(wq, ws, mw, g, nb, b);
       __m512i w[8];  // operand s: four weights 4s..4s+3 of the block per column
       if constexpr (byte_operands(QT)) {
         for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(wq + b * kGroupBytes + 64 * s);
