@@ -228,7 +228,7 @@ void attend_row(const T* q, const C* k_cache, const C* v_cache, const int32_t* b
   if constexpr (quantized) {
 #if defined(__AVX512VNNI__)
     quantize_query(qf, G, D, w.query());
-    score_row_int8_any(w.query(), k_cache, blocks, kv_head, len, s, scores, padded);
+    score_row_int8_any(w.query(), k_cache, v_cache, blocks, kv_head, len, s, scores, padded);
     prefetch_value_scales(v_cache, blocks, kv_head, len, s);
     apply_token_scales(k_cache, blocks, kv_head, len, s, scores, padded);
 #endif

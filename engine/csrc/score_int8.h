@@ -70,8 +70,8 @@ inline void score_vectors_int8(const QuantizedQuery& q, int64_t g0, const uint8_
 // size is a multiple of 16, so the lanes past the row's last key are slots of its own last block,
 // whose scores attend_row overwrites before the softmax.
 template <int G>
-void score_row_int8(const QuantizedQuery& q, int64_t g0, const int8_t* k_cache, const int32_t* blocks,
-                    int64_t kv_head, int64_t len, const Shapes& s, float* scores, int64_t ld) {
+void score_row_int8(const QuantizedQuery& q, int64_t g0, const int8_t* k_cache, const int8_t* v_cache,
+                    const int32_t* blocks, int64_t kv_head, int64_t len, const Shapes& s, float* scores, int64_t ld) {
   constexpr int V = G <= 4 ? 4 : 2;  // G * V accumulators + V keys stay within 32 vector registers
   const int64_t bs = s.block_size, nblocks = (len + bs - 1) / bs;
   const uint8_t* keys[V];
@@ -80,6 +80,7 @@ void score_row_int8(const QuantizedQuery& q, int64_t g0, const int8_t* k_cache, 
   for (int64_t b = 0; b < nblocks; ++b) {
     const auto* key = reinterpret_cast<const uint8_t*>(k_cache + blocks[b] * s.block + kv_head * s.head);
     if (b + 1 < nblocks) prefetch_block(k_cache + blocks[b + 1] * s.block + kv_head * s.head, s);
+    prefetch_block(v_cache + blocks[b] * s.block + kv_head * s.head, s);  // as paged_attention.cpp's score_row
     const int64_t n = std::min(bs, len - b * bs);
     for (int64_t o = 0; o < n; o += 16) {
       keys[ready] = key + o * kKeyGroup;
@@ -94,11 +95,12 @@ void score_row_int8(const QuantizedQuery& q, int64_t g0, const int8_t* k_cache, 
 }
 
 // score_row_int8 for all of a row's query heads, 8 at a time: scores[g * ld + t].
-inline void score_row_int8_any(const QuantizedQuery& q, const int8_t* k_cache, const int32_t* blocks,
-                               int64_t kv_head, int64_t len, const Shapes& s, float* scores, int64_t ld) {
+inline void score_row_int8_any(const QuantizedQuery& q, const int8_t* k_cache, const int8_t* v_cache,
+                               const int32_t* blocks, int64_t kv_head, int64_t len, const Shapes& s, float* scores,
+                               int64_t ld) {
   for (int64_t g0 = 0; g0 < s.group; g0 += 8) {
     with_group(std::min<int64_t>(s.group - g0, 8), [&](auto G) {
-      score_row_int8<decltype(G)::value>(q, g0, k_cache, blocks, kv_head, len, s, scores + g0 * ld, ld);
+      score_row_int8<decltype(G)::value>(q, g0, k_cache, v_cache, blocks, kv_head, len, s, scores + g0 * ld, ld);
     });
   }
 }
