@@ -128,9 +128,7 @@ class LLMEngine(RequestChecks, EngineAdapters, EngineSpeculation):
 
     @property
     def _kv_bytes(self) -> int:
-        caches = [t for kv in self.runner.kv_caches for t in kv]
-        if self.drafter is not None:
-            caches += self.drafter.kv_tensors
+        caches = [t for kv in self.runner.kv_caches for t in kv] + (self.drafter.kv_tensors if self.drafter else [])
         return sum(t.numel() * t.element_size() for t in caches)
 
     @classmethod
