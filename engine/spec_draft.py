@@ -64,9 +64,10 @@ def drafter_footprint(config: EngineConfig, path: Path, arch: ModelArch, max_mod
     device = resolve_device(config.model.device)
     dtype, block_size = resolve_dtype(config.model.dtype, device), config.cache.block_size
     backend = create_backend(config.attention_backend, device, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                             block_size, dtype, config.cache.kv_cache_dtype)
+                             block_size, dtype, config.cache.kv_cache_dtype, log=False)
     tokens = max_context_tokens(config.scheduler.max_num_seqs, max_model_len, block_size)
-    return DraftFootprint(weights_bytes=checkpoint_bytes(path, dtype),
+    # On CPU only the block bytes split the pool: the weights are not budgeted there (engine.memory).
+    return DraftFootprint(weights_bytes=checkpoint_bytes(path, dtype) if device.type == "cuda" else 0,
                           block_bytes=backend.bytes_per_block(dtype) * arch.num_layers,
                           gather_bytes=backend.scratch_bytes(tokens, dtype) if device.type == "cuda" else 0,
                           graphs=graphs and device.type == "cuda" and backend.supports_cuda_graphs)

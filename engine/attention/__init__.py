@@ -196,12 +196,13 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, block_s
 
 def create_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, dtype: torch.dtype = torch.float32,
-                   kv_cache_dtype: str = "auto") -> AttentionBackend:
+                   kv_cache_dtype: str = "auto", log: bool = True) -> AttentionBackend:
     resolved, why = resolve_backend(name, device, dtype, block_size, head_dim, kv_cache_dtype)
     extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}
     backend = BACKENDS[resolved].factory()(num_heads, num_kv_heads, head_dim, block_size, **extra)
-    logger.info("attention backend: %s (asked: %s; %s, %s, KV cache %s, block_size %d): %s", resolved, name, device,
-                str(dtype).removeprefix("torch."), kv_cache_dtype, block_size, why)
+    if log:  # a drafter's footprint builds one only to size its blocks (engine.spec_draft)
+            logger.info("attention backend: %s (asked: %s; %s, %s, KV cache %s, block_size %d): %s", resolved, name,
+                    device, str(dtype).removeprefix("torch."), kv_cache_dtype, block_size, why)
     return backend
 
 
