@@ -43,7 +43,8 @@ set -o pipefail
 timeout "${PYTEST_S:-300}" python3 -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider --timeout 150 \
     --junitxml="$OUT/pytest.xml" ${GPU_TESTS:-tests/test_attention_gpu.py tests/test_attention.py \
     tests/test_gpu_engine.py tests/test_cuda_graphs.py tests/test_memory_budget.py tests/test_lora.py \
-    tests/test_gpu_quant.py tests/test_spec_decode.py tests/test_spec_draft.py tests/test_spec_eagle.py} \
+    tests/test_gpu_quant.py tests/test_spec_decode.py tests/test_spec_draft.py tests/test_spec_eagle.py \
+    tests/test_verify_graphs.py} \
     2>&1 | tee "$OUT/pytest.log"
 echo "pytest exit: $?" | tee -a "$OUT/pytest.log"
 

@@ -135,6 +135,7 @@ class ModelRunner:
                                   else functools.partial(self.compiled, backend=self.backend))
         """What runs the model, called like it: the compiled decoder where there is one, else the modules."""
         self.num_layers = arch.num_layers
+        self.vocab_size = arch.vocab_size
         self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.group.world_size == 1
@@ -158,7 +159,7 @@ class ModelRunner:
         if self.use_graphs:
             self.graphs = DecodeGraphs(self.decoder, self.backend, self.kv_caches, self.block_table, self.block_size,
                                        max_seqs, max_model_len, arch.vocab_size, self.device,
-                                       None if self.lora is None else self.lora.step)
+                                       None if self.lora is None else self.lora.step, (1, self.graph_width))
             with torch.inference_mode():
                 self.graphs.capture()
         self.send_step: Callable[[list], None] | None = None
@@ -226,12 +227,23 @@ class ModelRunner:
         total, other = outside_torch_bytes(self.device)
         budget = MemoryBudget(
             total_bytes=total, utilization=self.config.cache.gpu_memory_utilization, weights_bytes=weights,
-            activation_bytes=activations, graph_pool_bytes=activations if self.use_graphs else 0,
+            activation_bytes=activations, graph_pool_bytes=self._graph_bytes(activations) if self.use_graphs else 0,
             gather_bytes=self.backend.scratch_bytes(self.max_context_tokens, self.dtype), other_bytes=other,
             block_bytes=per_block, draft=self.draft)
         blocks = budget.num_blocks(ceiling)
         logger.info("GPU memory: %s -> KV pool %d blocks of %d tokens", budget.describe(), blocks, self.block_size)
         return blocks
+
+    @property
+    def graph_width(self) -> int:
+        """Query tokens a row of the widest captured step: 1 + k where steps verifying k drafts are captured."""
+        spec = self.config.speculative_config
+        return 1 if spec is None or not self.backend.verify_graphs else 1 + spec.num_speculative_tokens
+
+    def _graph_bytes(self, activations: int) -> int:
+        """The graphs' private pool (the largest step's activations again) and their float32 logits
+        buffer, a row per token of the widest step."""
+        return activations + self.config.scheduler.max_num_seqs * self.graph_width * self.vocab_size * 4
 
     @torch.inference_mode()
     def _profile_largest_step(self) -> int:
@@ -306,12 +318,10 @@ class ModelRunner:
             else:
                 logits = self._forward(input_ids, positions, meta, logits_idx)
         else:
-            rows = [i for i, c in enumerate(chunks) if c.samples]
-            reqs = [chunks[i].request for i in rows]
+            sampled = [c for c in chunks if c.samples]
+            reqs, offsets = draft_rows(sampled) if drafts else ([c.request for c in sampled], None)
             t1 = time.perf_counter()
             logits = self.graphs.run(chunks, key)
-            if len(rows) < len(chunks):
-                logits = logits[torch.tensor(rows).to(self.device, non_blocking=True)]
         # Built after the launch: on CUDA the forward is still running, so this host work hides under
         # the device's (its copies queue behind the forward, ahead of the sampler that reads them).
         tl = time.perf_counter()

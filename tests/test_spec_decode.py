@@ -373,7 +373,7 @@ def test_verification_steps_leave_the_decode_only_attention_path(copy_model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("eager", [True, False])
 def test_ngram_drafts_on_cuda_give_the_tokens_without_them(copy_model, eager):
-    """On a GPU, eagerly and with CUDA graphs (captured decode steps; verification steps run uncaptured)."""
+    """On a GPU, eagerly and with CUDA graphs (decode and verification steps captured: tests/test_verify_graphs.py)."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     stats, _, _ = _same(copy_model[0], _prompts(0), params, device="cuda", enforce_eager=eager)
     assert stats.spec_decode_num_accepted_tokens > 0

@@ -51,6 +51,9 @@ class AttentionBackend(ABC):
     name: str = "abstract"
     supports_cuda_graphs: bool = True
     """Decode steps can be captured: no host sync and no allocation that outlives a step."""
+    verify_graphs: bool = True
+    """Steps verifying drafts can be captured too: every row padded to the same query length, chunks after
+    a cached prefix read ``seqlens_k`` on the device (engine.cuda_graphs.verify_metadata)."""
     graph_context_buckets: bool = True
     """Captured decode work grows with the longest context (a gather or a padded batch), so
     graphs are keyed by context length too; paged kernels read only the pages they need."""

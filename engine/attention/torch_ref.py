@@ -43,6 +43,7 @@ def plan_decode_groups(kv_lens: list[int], overhead: int = GROUP_OVERHEAD_TOKENS
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    verify_graphs = False  # its chunks after a prefix take their lengths from the host (``kv_lens``)
 
     def __init__(self, num_heads, num_kv_heads, head_dim, block_size):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
