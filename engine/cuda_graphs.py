@@ -115,7 +115,7 @@ def verify_metadata(table: BlockTable, rows: torch.Tensor, starts: torch.Tensor,
 class DecodeGraphs:
     def __init__(self, forward: Callable, backend: AttentionBackend, kv_caches: list, table: BlockTable,
                  block_size: int, max_num_seqs: int, max_model_len: int, vocab_size: int,
-                 device: torch.device, lora_step=None, widths: tuple[int, ...] = (1,)) -> None:
+                 device: torch.device, lora_step=None, widths: tuple[int, ...] = (1,), streams_of=None) -> None:
         self.forward = forward
         """Called like the model: eager modules, or the compiled decoder (captured the same way)."""
         self.backend = backend
@@ -126,6 +126,10 @@ class DecodeGraphs:
         """engine.lora.layers.LoRAStep of a LoRA engine: graphs read every slot, each row's from the buffer."""
         self.batches = batch_buckets(max_num_seqs)
         self.contexts = context_buckets(max_model_len) if backend.graph_context_buckets else [max_model_len]
+        self.streams_of = streams_of
+        """The model whose ``aux_out`` streams an EAGLE-3 head reads after each step (engine.spec_eagle):
+        kept in a buffer of the graphs', since a replay rewrites the captured tensors, not the attribute."""
+        self._streams: torch.Tensor | None = None
         self.widths = sorted(set(widths) | {1})
         """1, and 1 + k for an engine verifying up to k drafts a row (engine.spec_decode)."""
         top, wide = self.batches[-1], self.widths[-1]
@@ -178,6 +182,8 @@ class DecodeGraphs:
             graph.replay()
         else:
             self._forward(key)
+        if self.streams_of is not None:  # row i's tokens from i x width on (``aux_rows``)
+            self.streams_of.aux_out = self._streams[:key.batch * w]
         picked = [i * w + j for i, c in enumerate(chunks) if c.samples
                   for j in range(c.num_tokens if c.speculative else 1)]
         if picked == list(range(len(chunks))):
@@ -206,6 +212,11 @@ class DecodeGraphs:
             if self.lora_step is not None:
                 self.lora_step.set(None)
         self._logits[:tokens].copy_(logits)
+        if self.streams_of is not None:
+            streams = self.streams_of.aux_out
+            if self._streams is None:  # the first call is a warm-up, outside any capture
+                self._streams = streams.new_empty(self._logits.shape[0], streams.shape[1])
+            self._streams[:tokens].copy_(streams)
 
     def capture(self) -> None:
         """Capture every bucket, largest first so later graphs reuse the shared pool's memory."""

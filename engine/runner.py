@@ -139,7 +139,7 @@ class ModelRunner:
         self.sampler = Sampler()
         max_seqs = config.scheduler.max_num_seqs
         self.use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.group.world_size == 1
-                           and self.backend.supports_cuda_graphs and not aux_layers)
+                           and self.backend.supports_cuda_graphs)
         self.max_context_tokens = max_context_tokens(max_seqs, max_model_len, self.block_size)
         blocks = self._pool_size()
         self.num_blocks = agree_blocks(blocks, self.param_bytes) if agree_blocks is not None else blocks
@@ -159,7 +159,8 @@ class ModelRunner:
         if self.use_graphs:
             self.graphs = DecodeGraphs(self.decoder, self.backend, self.kv_caches, self.block_table, self.block_size,
                                        max_seqs, max_model_len, arch.vocab_size, self.device,
-                                       None if self.lora is None else self.lora.step, (1, self.graph_width))
+                                       None if self.lora is None else self.lora.step, (1, self.graph_width),
+                                       self.model if aux_layers else None)
             with torch.inference_mode():
                 self.graphs.capture()
         self.send_step: Callable[[list], None] | None = None
@@ -320,6 +321,8 @@ class ModelRunner:
         else:
             sampled = [c for c in chunks if c.samples]
             reqs, offsets = draft_rows(sampled) if drafts else ([c.request for c in sampled], None)
+            if self.model.aux_layers:
+                self.aux_rows = {id(c): i * key.width for i, c in enumerate(chunks)}
             t1 = time.perf_counter()
             logits = self.graphs.run(chunks, key)
         # Built after the launch: on CUDA the forward is still running, so this host work hides under

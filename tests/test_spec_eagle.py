@@ -246,7 +246,7 @@ def test_a_near_head_is_often_right_a_random_one_wrong_and_the_output_stays_exac
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_head_on_cuda_gives_the_tokens_without_it(copy_model, heads):
     """On a GPU, the pools sized by the GPU memory budget with the head's weights and pool counted;
-    the target's steps run uncaptured while a head reads their streams."""
+    the target's steps eager here (captured ones: tests/test_verify_graphs.py)."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     stats, _ = _same(copy_model[0], heads["near"], _prompts(0), params, device="cuda", num_kv_blocks=None,
                      gpu_memory_utilization=0.5)

@@ -19,6 +19,7 @@ from engine.scheduler import ScheduledChunk
 from engine.spec_decode import DraftChunk
 from tests.factories import make_lora_dir
 from tests.test_spec_decode import BASE, NGRAM, VOCAB, _prompts, _run, copy_model  # noqa: F401 (a fixture)
+from tests.test_spec_eagle import _eagle, heads  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
 K = NGRAM["num_speculative_tokens"]
@@ -69,13 +70,13 @@ def test_real_tokens_take_their_eager_slots_and_padding_the_scratch_block():
 
 
 def _attach(llm: LLM) -> list[tuple[GraphKey, list[int]]]:
-    """The target's steps through the static path with verification widths; returns (key, each
-    chunk's query tokens) per step that took it."""
+    """The target's steps through the static path with verification widths, as a GPU runner builds
+    them; returns (key, each chunk's query tokens) per step that took it."""
     runner = llm.engine.runner
     lora = None if runner.lora is None else runner.lora.step
     runner.graphs = DecodeGraphs(runner.decoder, runner.backend, runner.kv_caches, runner.block_table,
                                  runner.block_size, BASE["max_num_seqs"], runner.max_model_len, VOCAB, runner.device,
-                                 lora, widths=(1, 1 + K))
+                                 lora, (1, runner.graph_width), runner.model if runner.model.aux_layers else None)
     used, run = [], runner.graphs.run
     runner.graphs.run = lambda chunks, key: (used.append((key, [c.num_tokens for c in chunks])), run(chunks, key))[1]
     return used
@@ -139,14 +140,41 @@ def test_a_padded_verification_step_keeps_each_rows_adapter(copy_model, tmp_path
     llm.engine.block_manager.check_invariants()
 
 
+def test_an_eagle3_head_reads_its_streams_from_padded_steps(copy_model, heads):
+    """The target's streams come back from the graphs' buffer at each row's padded offset: the head
+    proposes what it proposes after eager steps (equal drafted and accepted counts), and greedy and
+    seeded outputs are those without drafts."""
+    path, k = copy_model[0], 3
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=32, ignore_eos=True)] * 2
+    want, _ = _run(path, _prompts(0), params)
+    _, eager = _run(path, _prompts(0), params, speculative_config=_eagle(heads["near"], k))
+    llm = LLM(str(path), **BASE, speculative_config=_eagle(heads["near"], k))
+    used = _attach(llm)
+    graphs, model = llm.engine.runner.graphs, llm.engine.runner.model
+    run, buffered = graphs.run, []  # what a replay leaves: streams in the graphs' own buffer
+    graphs.run = lambda chunks, key: (run(chunks, key), buffered.append(
+        model.aux_out.data_ptr() == graphs._streams.data_ptr()))[0]
+    got = llm.generate([{"prompt_token_ids": p} for p in _prompts(0)], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert buffered and all(buffered)
+    stats, eager_stats = llm.engine.stats(), eager.stats()
+    assert stats.spec_decode_num_accepted_tokens == eager_stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_draft_tokens == eager_stats.spec_decode_num_draft_tokens
+    assert any(key.width == 1 + k for key, _ in used) and any(key.width == 1 for key, _ in used)
+    llm.engine.block_manager.check_invariants()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_verification_steps_give_the_tokens_without_drafts(copy_model):
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_captured_verification_steps_give_the_tokens_without_drafts(copy_model, heads, method):
     path = copy_model[0]
+    spec = NGRAM if method == "ngram" else _eagle(heads["near"], K)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     opts = {"device": "cuda", "enforce_eager": False}
     want, _ = _run(path, _prompts(0), params, **opts)
-    llm = LLM(str(path), **BASE, **opts, speculative_config=NGRAM)
+    llm = LLM(str(path), **BASE, **opts, speculative_config=spec)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.widths == [1, 1 + K] and set(graphs._graphs) == set(graphs.keys)
     seen, run = set(), graphs.run
