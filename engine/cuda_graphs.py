@@ -151,13 +151,13 @@ class DecodeGraphs:
                 for lora in variants]
 
     def key_for(self, chunks) -> GraphKey | None:
-        """The bucket a decode-only step, or one whose other rows verify drafts, fits; else None (it runs
-        eagerly)."""
+        """The bucket a step fits, else None (it runs eagerly): a decode-only step, or one whose chunks
+        of several tokens come after a cached context (verifying drafts, a drafter catching up)."""
         if not chunks:
             return None
         width = max(c.num_tokens for c in chunks)
-        if width > 1 and any(c.num_tokens > 1 and not c.speculative for c in chunks):
-            return None  # a prefill chunk
+        if width > 1 and any(c.num_tokens > 1 and c.start == 0 for c in chunks):
+            return None  # a first chunk: eagerly, where backends attend to its own keys only
         width = smallest_fit(self.widths, width)
         batch = smallest_fit(self.batches, len(chunks))
         context = smallest_fit(self.contexts, max(c.start for c in chunks) + (width or 1))
@@ -165,8 +165,8 @@ class DecodeGraphs:
         return None if None in (width, batch, context) else GraphKey(batch, context, lora, width)
 
     def run(self, chunks, key: GraphKey) -> torch.Tensor:
-        """Logits of a step that fits ``key``: a row per chunk that samples, in chunk order (a row per
-        position of a chunk verifying drafts, as engine.spec_verify.draft_rows lists them)."""
+        """Logits of a step that fits ``key``: a row per chunk that samples, at its last token, in chunk
+        order (a row per position of a chunk verifying drafts, as engine.spec_verify.draft_rows lists them)."""
         rows = self.table.update(chunks, self.block_size)
         pad = key.batch - len(chunks)
         host = torch.tensor([[c.token_ids[0] for c in chunks] + [0] * pad, [c.start for c in chunks] + [0] * pad,
@@ -185,7 +185,7 @@ class DecodeGraphs:
         if self.streams_of is not None:  # row i's tokens from i x width on (``aux_rows``)
             self.streams_of.aux_out = self._streams[:key.batch * w]
         picked = [i * w + j for i, c in enumerate(chunks) if c.samples
-                  for j in range(c.num_tokens if c.speculative else 1)]
+                  for j in (range(c.num_tokens) if c.speculative else (c.num_tokens - 1,))]
         if picked == list(range(len(chunks))):
             return self._logits[:len(chunks)]
         return self._logits[torch.tensor(picked).to(self._logits.device, non_blocking=True)]

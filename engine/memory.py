@@ -37,7 +37,9 @@ class DraftFootprint:
     """Its attention backend's step buffers (``AttentionBackend.scratch_bytes``)."""
     graphs: bool = False
     """It captures decode graphs. Their pool is bounded by the target's largest-step peak (a
-    drafter is smaller than its target and captures decode steps only): the budget counts it again."""
+    drafter is smaller than its target and captures steps of a few tokens a row): the budget counts it
+    again, with the graphs' logits buffer (``logits_bytes``)."""
+    logits_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class MemoryBudget:
         if self.draft is None:
             return 0
         d = self.draft
-        return d.weights_bytes + d.gather_bytes + (self.activation_bytes if d.graphs else 0)
+        return d.weights_bytes + d.gather_bytes + (self.activation_bytes + d.logits_bytes if d.graphs else 0)
 
     @property
     def kv_bytes(self) -> int:

@@ -67,15 +67,18 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, arch: ModelArch, max_model_len: int,
                  group: ParallelGroup | None = None, device: str | None = None,
                  agree_blocks: Callable[[int, int], int] | None = None,
-                 aux_layers: tuple[int, ...] = (), draft: DraftFootprint | None = None) -> None:
+                 aux_layers: tuple[int, ...] = (), draft: DraftFootprint | None = None,
+                 graph_width: int | None = None) -> None:
         """``group``/``device``: this rank's place and device (default: alone, ``config.model.device``).
         ``agree_blocks(blocks, param_bytes)``: with tensor parallelism, the KV pool size every
         rank can hold (each sizes its own from its memory).
         ``aux_layers``: the layers whose input streams each step keeps (``aux_out``, rows ``aux_rows``)
         for an EAGLE-3 head (engine.spec_eagle). ``draft``: what the drafter beside this model will
-        hold: its pool, of as many blocks, shares the KV budget; on a GPU its weights count too."""
+        hold: its pool, of as many blocks, shares the KV budget; on a GPU its weights count too.
+        ``graph_width``: query tokens a row of the widest captured step (default: 1 + k verifying k drafts)."""
         self.config = config
         self.draft = draft
+        self._graph_width = graph_width
         self.group = group or ParallelGroup()
         self.device = torch.device(device) if device is not None else resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
@@ -239,7 +242,9 @@ class ModelRunner:
     def graph_width(self) -> int:
         """Query tokens a row of the widest captured step: 1 + k where steps verifying k drafts are captured."""
         spec = self.config.speculative_config
-        return 1 if spec is None or not self.backend.verify_graphs else 1 + spec.num_speculative_tokens
+        if not self.backend.verify_graphs:
+            return 1
+        return self._graph_width or (1 if spec is None else 1 + spec.num_speculative_tokens)
 
     def _graph_bytes(self, activations: int) -> int:
         """The graphs' private pool (the largest step's activations again) and their float32 logits

@@ -66,11 +66,15 @@ def drafter_footprint(config: EngineConfig, path: Path, arch: ModelArch, max_mod
     backend = create_backend(config.attention_backend, device, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                              block_size, dtype, config.cache.kv_cache_dtype, log=False)
     tokens = max_context_tokens(config.scheduler.max_num_seqs, max_model_len, block_size)
+    graphs = graphs and device.type == "cuda" and backend.supports_cuda_graphs
+    # Its graphs' float32 logits: a row per token of a catch-up pass of 1 + k tokens a request (ModelRunner).
+    width = 1 + config.speculative_config.num_speculative_tokens
     # On CPU only the block bytes split the pool: the weights are not budgeted there (engine.memory).
     return DraftFootprint(weights_bytes=checkpoint_bytes(path, dtype) if device.type == "cuda" else 0,
                           block_bytes=backend.bytes_per_block(dtype) * arch.num_layers,
                           gather_bytes=backend.scratch_bytes(tokens, dtype) if device.type == "cuda" else 0,
-                          graphs=graphs and device.type == "cuda" and backend.supports_cuda_graphs)
+                          graphs=graphs,
+                          logits_bytes=config.scheduler.max_num_seqs * width * arch.vocab_size * 4 if graphs else 0)
 
 
 def load_draft_arch(config: EngineConfig, target: ModelArch) -> tuple[Path, ModelArch]:
@@ -107,7 +111,8 @@ class DraftModel:
         draft_config = dataclasses.replace(
             config, model=model, lora=None, speculative_config=None, parallel=ParallelConfig(),
             cache=dataclasses.replace(config.cache, num_kv_blocks=num_blocks, kv_cache_memory_gb=None))
-        self.runner = ModelRunner(draft_config, path, arch, max_model_len)
+        # Its graphs take catch-up passes too: the last token and the drafts kept, 1 + k tokens at most.
+        self.runner = ModelRunner(draft_config, path, arch, max_model_len, graph_width=1 + spec.num_speculative_tokens)
         logger.info("draft model %s: %d layers, %d KV blocks beside the target's", path.name, arch.num_layers,
                     num_blocks)
 

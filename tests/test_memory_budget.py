@@ -3,6 +3,8 @@ budget holding under load (CUDA)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,6 +47,8 @@ def test_a_drafter_takes_its_weights_buffers_and_a_pool_of_as_many_blocks():
     assert b.num_blocks(10**9) == b.kv_bytes // (3 * mib)  # the target's 2 MiB and the drafter's 1 MiB
     graphs = _budget(draft=DraftFootprint(weights_bytes=2 * GIB, block_bytes=mib, gather_bytes=GIB // 2, graphs=True))
     assert graphs.draft_bytes == b.draft_bytes + 2 * GIB  # the activations' 2 GiB once more
+    wide = _budget(draft=dataclasses.replace(graphs.draft, logits_bytes=mib))
+    assert wide.draft_bytes == graphs.draft_bytes + mib  # and the graphs' logits buffer
     assert "drafter 2.50 GiB" in b.describe() and "drafter" not in plain.describe()
     with pytest.raises(ValueError, match="drafter 62.00 GiB"):
         _budget(draft=DraftFootprint(weights_bytes=62 * GIB, block_bytes=mib)).num_blocks(10**9)

@@ -130,25 +130,30 @@ def test_tensor_parallel_target_with_a_whole_draft_on_rank_0(copy_model, near_dr
     assert engine.drafter.runner.num_blocks == engine.runner.num_blocks
 
 
-def test_the_drafts_one_token_passes_take_its_decode_graphs(copy_model, near_draft):
-    """On a GPU the draft model captures decode graphs and its one-token passes replay them; on CPU
-    the same static path runs uncaptured. It proposes what the eager passes propose: the accepted
-    counts, which the exact outputs cannot show, are equal."""
+def test_the_drafts_passes_take_its_graphs(copy_model, near_draft):
+    """On a GPU the draft model captures graphs: its one-token passes replay decode graphs, and its
+    catch-up passes (the last token and the drafts kept, 1 + k at most) ones padded to 1 + k tokens a
+    row; on CPU the same static path runs uncaptured. It proposes what the eager passes propose: the
+    accepted counts, which the exact outputs cannot show, are equal."""
     path = copy_model[0]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     want, plain = _run(path, _prompts(0), params, speculative_config=_draft(near_draft))
     llm = LLM(str(path), **BASE, speculative_config=_draft(near_draft))
     runner = llm.engine.drafter.runner
+    assert runner.graph_width == 1 + _draft(near_draft)["num_speculative_tokens"]
     runner.graphs = DecodeGraphs(runner.decoder, runner.backend, runner.kv_caches, runner.block_table,
-                                 runner.block_size, BASE["max_num_seqs"], runner.max_model_len, VOCAB, runner.device)
+                                 runner.block_size, BASE["max_num_seqs"], runner.max_model_len, VOCAB, runner.device,
+                                 widths=(1, runner.graph_width))
     used, run = [], runner.graphs.run
-    runner.graphs.run = lambda chunks, key: (used.append(len(chunks)), run(chunks, key))[1]
+    runner.graphs.run = lambda chunks, key: (used.append(len(chunks)), wide.append(key.width > 1), run(chunks, key))[2]
+    wide = []
     got = llm.generate([{"prompt_token_ids": p} for p in _prompts(0)], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats, plain_stats = llm.engine.stats(), plain.stats()
     assert stats.spec_decode_num_accepted_tokens == plain_stats.spec_decode_num_accepted_tokens > 0
     assert stats.spec_decode_num_draft_tokens == plain_stats.spec_decode_num_draft_tokens
     assert len(used) > 10 and max(used) > 1  # batched passes of several requests, not one at a time
+    assert any(wide) and not all(wide)  # catch-up passes and one-token passes
     llm.engine.block_manager.check_invariants()
 
 
