@@ -19,6 +19,7 @@ from engine.scheduler import ScheduledChunk
 from engine.spec_decode import DraftChunk
 from tests.factories import make_lora_dir
 from tests.test_spec_decode import BASE, NGRAM, VOCAB, _prompts, _run, copy_model  # noqa: F401 (a fixture)
+from tests.test_attention import D, _dense
 from tests.test_spec_eagle import _eagle, heads  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
@@ -67,6 +68,62 @@ def test_real_tokens_take_their_eager_slots_and_padding_the_scratch_block():
     assert slots[3] == [scratch * bs] * 3
     assert meta.cu_seqlens_q.tolist() == [0, 3, 6, 9, 12] and meta.seqlens_k.tolist() == [12, 5, 16, 3]
     assert meta.num_decodes == 0 and meta.query_lens == [3] * 4 and meta.max_seqlen_q == 3
+
+
+def _backend(name: str):
+    """Each backend that captures verification steps, on CPU: the CPU kernel, the Triton kernel
+    (interpreted), and the FlashAttention and varlen backends over stand-ins of their kernels' contract."""
+    from engine.attention import create_backend
+    from engine.attention.fa3 import FA3AttentionBackend
+    from engine.attention.flash import FlashAttentionBackend
+    from engine.attention.varlen import VarlenAttentionBackend
+    from tests.test_attention import ref_fa2_kvcache, ref_fa2_varlen, ref_fa3_kvcache, ref_varlen
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(4, 2, D, 16, fresh_kernel=None), 16
+    return {"cpu": (create_backend("cpu", CPU, 4, 2, D, 16, torch.float32), 16),
+            "fa3": (FA3AttentionBackend(4, 2, D, 16, kernel=ref_fa3_kvcache), 16),
+            "flash": (FlashAttentionBackend(4, 2, D, 256, kernels=(ref_fa2_varlen, ref_fa2_kvcache)), 256),
+            "varlen": (VarlenAttentionBackend(4, 2, D, 256, kernel=ref_varlen), 256)}[name]
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton", "fa3", "flash", "varlen"])
+def test_each_capturing_backend_attends_a_padded_row_as_the_eager_step_does(name):
+    """Rows of 3, 1 and 5 real tokens, padded to 5, and a padding row: the real queries get dense causal
+    attention over their own keys, and nothing but the real tokens' blocks and the scratch block is
+    written. The first two rows' padding runs past their last block, whose table entries are 0: block 0,
+    which no row holds here, shows a write there."""
+    backend, bs = _backend(name)
+    assert backend.verify_graphs
+    gen = torch.Generator().manual_seed(0)
+    contexts, lens, width = [bs - 3, 30, 40], [3, 1, 5], 5
+    blocks = [list(range(1 + i * 3, 1 + i * 3 + -(-(c + n) // bs))) for i, (c, n) in enumerate(zip(contexts, lens))]
+    scratch = 10
+    cache = backend.allocate_cache(scratch + 1, torch.float32, CPU)
+    k_all, v_all, q_all = ([torch.randn(c + n, h, D, generator=gen) for c, n in zip(contexts, lens)]
+                           for h in (2, 2, 4))
+    table = BlockTable(4, 8, CPU, pad_block=scratch)
+    reqs = [_request(i, c + 1, b) for i, (c, b) in enumerate(zip(contexts, blocks))]
+    backend.plan(first := build_step_inputs([ScheduledChunk(r, 0, c) for r, c in zip(reqs, contexts)], bs, CPU)[3])
+    backend.forward(*(torch.cat([x[:c] for x, c in zip(xs, contexts)]) for xs in (q_all, k_all, v_all)), cache, first)
+    before = [t.clone() for t in cache]
+    rows = table.update([ScheduledChunk(r, c, n) for r, c, n in zip(reqs, contexts, lens)], bs) + [table.pad_row]
+    _, meta = verify_metadata(table, torch.tensor(rows), torch.tensor(contexts + [0]), torch.tensor(lens + [0]),
+                              width, 4 * bs, bs)
+
+    def padded(xs, heads):  # each row's real tokens, then noise
+        return torch.cat([torch.cat([x[c:], torch.randn(width - n, heads, D, generator=gen)])
+                          for x, c, n in zip(xs, contexts, lens)] + [torch.randn(width, heads, D, generator=gen)])
+
+    backend.plan(meta)
+    out = backend.forward(padded(q_all, 4), padded(k_all, 2), padded(v_all, 2), cache, meta).view(4, width, -1)
+    for i, (c, n) in enumerate(zip(contexts, lens)):
+        want = _dense(q_all[i][c:], k_all[i], v_all[i], c)
+        torch.testing.assert_close(out[i, :n], want, atol=1e-5, rtol=1e-5)
+    written = {b for i, (c, n) in enumerate(zip(contexts, lens)) for b in blocks[i][c // bs:-(-(c + n) // bs)]}
+    for new, old in zip(cache, before):
+        changed = {b for b in range(scratch + 1) if not torch.equal(new[b], old[b])}
+        assert changed <= written | {scratch} and scratch in changed
 
 
 def _attach(llm: LLM) -> list[tuple[GraphKey, list[int]]]:
