@@ -201,7 +201,7 @@ def create_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
     extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}
     backend = BACKENDS[resolved].factory()(num_heads, num_kv_heads, head_dim, block_size, **extra)
     if log:  # a drafter's footprint builds one only to size its blocks (engine.spec_draft)
-            logger.info("attention backend: %s (asked: %s; %s, %s, KV cache %s, block_size %d): %s", resolved, name,
+        logger.info("attention backend: %s (asked: %s; %s, %s, KV cache %s, block_size %d): %s", resolved, name,
                     device, str(dtype).removeprefix("torch."), kv_cache_dtype, block_size, why)
     return backend
 
