@@ -25,6 +25,12 @@ INT_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4
 """Bytes an element of a safetensors integer type: they load as they are stored (packed INT4 too)."""
 
 
+def graph_logits_bytes(max_num_seqs: int, width: int, vocab_size: int) -> int:
+    """The step graphs' float32 logits buffer: a row per token of the widest captured step
+    (engine.cuda_graphs; ``width`` tokens a row)."""
+    return max_num_seqs * width * vocab_size * 4
+
+
 @dataclass(frozen=True)
 class DraftFootprint:
     """What a drafter will hold on the target's GPU, known before either is loaded."""

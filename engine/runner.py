@@ -27,8 +27,8 @@ from engine.attention.metadata import build_step_inputs, order_chunks
 from engine.config import EngineConfig
 from engine.cpu_features import fast_bf16
 from engine.cuda_graphs import DecodeGraphs
-from engine.memory import (DraftFootprint, MemoryBudget, dummy_prefill, max_context_tokens, measure_peak,
-                           outside_torch_bytes, worst_case_sampling)
+from engine.memory import (DraftFootprint, MemoryBudget, dummy_prefill, graph_logits_bytes, max_context_tokens,
+                           measure_peak, outside_torch_bytes, worst_case_sampling)
 from engine.lora import LoRAModel
 from engine.model import ModelArch, load_model
 from engine.model.compiled import CompiledDecoder
@@ -160,10 +160,7 @@ class ModelRunner:
             self.compile_s = self._warm_up()
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
-            self.graphs = DecodeGraphs(self.decoder, self.backend, self.kv_caches, self.block_table, self.block_size,
-                                       max_seqs, max_model_len, arch.vocab_size, self.device,
-                                       None if self.lora is None else self.lora.step, (1, self.graph_width),
-                                       self.model if aux_layers else None)
+            self.graphs = self.step_graphs()
             with torch.inference_mode():
                 self.graphs.capture()
         self.send_step: Callable[[list], None] | None = None
@@ -246,10 +243,17 @@ class ModelRunner:
             return 1
         return self._graph_width or (1 if spec is None else 1 + spec.num_speculative_tokens)
 
+    def step_graphs(self) -> DecodeGraphs:
+        """The graphs of this runner's steps, uncaptured (``capture`` records them on CUDA; on CPU, as in
+        tests, their static path runs as it is)."""
+        return DecodeGraphs(self.decoder, self.backend, self.kv_caches, self.block_table, self.block_size,
+                            self.config.scheduler.max_num_seqs, self.max_model_len, self.vocab_size, self.device,
+                            None if self.lora is None else self.lora.step, (1, self.graph_width),
+                            self.model if self.model.aux_layers else None)
+
     def _graph_bytes(self, activations: int) -> int:
-        """The graphs' private pool (the largest step's activations again) and their float32 logits
-        buffer, a row per token of the widest step."""
-        return activations + self.config.scheduler.max_num_seqs * self.graph_width * self.vocab_size * 4
+        """The graphs' private pool (the largest step's activations again) and their logits buffer."""
+        return activations + graph_logits_bytes(self.config.scheduler.max_num_seqs, self.graph_width, self.vocab_size)
 
     @torch.inference_mode()
     def _profile_largest_step(self) -> int:

@@ -26,7 +26,7 @@ import torch
 
 from engine.config import EngineConfig, ParallelConfig
 from engine.errors import ModelLoadError
-from engine.memory import DraftFootprint, checkpoint_bytes, max_context_tokens
+from engine.memory import DraftFootprint, checkpoint_bytes, graph_logits_bytes, max_context_tokens
 from engine.model import ModelArch
 from engine.scheduler import ScheduledChunk
 from engine.spec_cost import StepCosts
@@ -67,14 +67,14 @@ def drafter_footprint(config: EngineConfig, path: Path, arch: ModelArch, max_mod
                              block_size, dtype, config.cache.kv_cache_dtype, log=False)
     tokens = max_context_tokens(config.scheduler.max_num_seqs, max_model_len, block_size)
     graphs = graphs and device.type == "cuda" and backend.supports_cuda_graphs
-    # Its graphs' float32 logits: a row per token of a catch-up pass of 1 + k tokens a request (ModelRunner).
-    width = 1 + config.speculative_config.num_speculative_tokens
+    # Its graphs take catch-up passes of 1 + k tokens a request (DraftModel).
+    logits = graph_logits_bytes(config.scheduler.max_num_seqs, 1 + config.speculative_config.num_speculative_tokens,
+                                arch.vocab_size)
     # On CPU only the block bytes split the pool: the weights are not budgeted there (engine.memory).
     return DraftFootprint(weights_bytes=checkpoint_bytes(path, dtype) if device.type == "cuda" else 0,
                           block_bytes=backend.bytes_per_block(dtype) * arch.num_layers,
                           gather_bytes=backend.scratch_bytes(tokens, dtype) if device.type == "cuda" else 0,
-                          graphs=graphs,
-                          logits_bytes=config.scheduler.max_num_seqs * width * arch.vocab_size * 4 if graphs else 0)
+                          graphs=graphs, logits_bytes=logits if graphs else 0)
 
 
 def load_draft_arch(config: EngineConfig, target: ModelArch) -> tuple[Path, ModelArch]:

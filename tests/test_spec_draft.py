@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs
 from engine.errors import ModelLoadError
 from tests.factories import build_tokenizer, make_model_dir
 from tests.test_spec_decode import (BASE, VOCAB, _copying, _prompts, _run, copy_model,  # noqa: F401 (a fixture)
@@ -141,12 +140,9 @@ def test_the_drafts_passes_take_its_graphs(copy_model, near_draft):
     llm = LLM(str(path), **BASE, speculative_config=_draft(near_draft))
     runner = llm.engine.drafter.runner
     assert runner.graph_width == 1 + _draft(near_draft)["num_speculative_tokens"]
-    runner.graphs = DecodeGraphs(runner.decoder, runner.backend, runner.kv_caches, runner.block_table,
-                                 runner.block_size, BASE["max_num_seqs"], runner.max_model_len, VOCAB, runner.device,
-                                 widths=(1, runner.graph_width))
-    used, run = [], runner.graphs.run
+    runner.graphs = runner.step_graphs()
+    used, wide, run = [], [], runner.graphs.run
     runner.graphs.run = lambda chunks, key: (used.append(len(chunks)), wide.append(key.width > 1), run(chunks, key))[2]
-    wide = []
     got = llm.generate([{"prompt_token_ids": p} for p in _prompts(0)], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     stats, plain_stats = llm.engine.stats(), plain.stats()

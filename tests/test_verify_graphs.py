@@ -18,7 +18,7 @@ from engine.request import Request
 from engine.scheduler import ScheduledChunk
 from engine.spec_decode import DraftChunk
 from tests.factories import make_lora_dir
-from tests.test_spec_decode import BASE, NGRAM, VOCAB, _prompts, _run, copy_model  # noqa: F401 (a fixture)
+from tests.test_spec_decode import BASE, NGRAM, _prompts, _run, copy_model  # noqa: F401 (a fixture)
 from tests.test_attention import D, _dense
 from tests.test_spec_eagle import _eagle, heads  # noqa: F401 (a fixture)
 
@@ -130,10 +130,8 @@ def _attach(llm: LLM) -> list[tuple[GraphKey, list[int]]]:
     """The target's steps through the static path with verification widths, as a GPU runner builds
     them; returns (key, each chunk's query tokens) per step that took it."""
     runner = llm.engine.runner
-    lora = None if runner.lora is None else runner.lora.step
-    runner.graphs = DecodeGraphs(runner.decoder, runner.backend, runner.kv_caches, runner.block_table,
-                                 runner.block_size, BASE["max_num_seqs"], runner.max_model_len, VOCAB, runner.device,
-                                 lora, (1, runner.graph_width), runner.model if runner.model.aux_layers else None)
+    runner.graphs = runner.step_graphs()
+    assert runner.graphs.widths == [1, runner.graph_width] and runner.graph_width > 1
     used, run = [], runner.graphs.run
     runner.graphs.run = lambda chunks, key: (used.append((key, [c.num_tokens for c in chunks])), run(chunks, key))[1]
     return used
